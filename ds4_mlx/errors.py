@@ -1,0 +1,38 @@
+"""Error types shared by every layer.
+
+Every failure caused by bad input (a file, a tensor, a metadata field, a request) is raised as a
+subclass of ``Ds4Error`` with a message that names what is wrong and where, so frontends can print
+it as one line instead of a traceback.
+"""
+
+from __future__ import annotations
+
+
+class Ds4Error(Exception):
+    """Base class of every error ds4-mlx raises on purpose."""
+
+
+class GGUFError(Ds4Error):
+    """The file is not a readable GGUF v3 container (header, metadata, tensor directory, offsets)."""
+
+    def __init__(self, message: str, *, path: str | None = None, offset: int | None = None):
+        where = []
+        if path is not None:
+            where.append(str(path))
+        if offset is not None:
+            where.append(f"byte offset {offset}")
+        super().__init__(f"{': '.join(where)}: {message}" if where else message)
+        self.path = path
+        self.offset = offset
+
+
+class LayoutError(Ds4Error):
+    """The GGUF is readable but is not a DS4 Flash model: config or tensor layout mismatch."""
+
+
+class QuantError(Ds4Error):
+    """Bad arguments to a block (de)quantizer: unknown type, partial block, wrong byte count."""
+
+
+class TokenizerError(Ds4Error):
+    """Tokenizer tables missing or inconsistent in the GGUF metadata."""

