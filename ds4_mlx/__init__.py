@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+# Must run before anything imports mlx: on Linux it puts OpenBLAS in the global symbol scope so
+# libmlx.so binds its BLAS calls there instead of to the slow reference BLAS the wheel bundles.
+from ds4_mlx import blas as _blas
+
+_blas.preload()
+
 __version__ = "0.1.0"
 
 __all__ = ["load", "__version__"]

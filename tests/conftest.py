@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+import ds4_mlx  # noqa: F401  (first: binds MLX to OpenBLAS before any test imports mlx)
+
 REPO = Path(__file__).resolve().parents[1]
 ORACLE_SHA256 = "4f967c3e99f0ec622362d123f1e9495ae3ab29b9c83f943fd78d257f37b73791"
 
