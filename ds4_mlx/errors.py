@@ -36,3 +36,7 @@ class QuantError(Ds4Error):
 
 class TokenizerError(Ds4Error):
     """Tokenizer tables missing or inconsistent in the GGUF metadata."""
+
+
+class ChatError(Ds4Error):
+    """A chat request cannot be rendered: malformed message, tool call or thinking-mode name."""
