@@ -1,0 +1,374 @@
+"""Routed-expert weights (IQ2_XXS, Q2_K, Q4_K): read and multiply only the experts a call selects.
+
+A 3-D GGUF expert tensor is ``(n_expert, out, in)`` with expert ``e`` one contiguous slab of ``out`` rows
+[tensor_expert_bytes]. A call gathers the unique expert ids, copies just their slabs out of the mmap
+(``np.take``) and multiplies token-expert pairs grouped by expert: one GEMM per active expert for a
+prefill batch, k matrix-vector products for a decoded token. Counters: ``bytes_read`` (bytes copied out
+of the mmap) and ``bytes_selected`` (GGUF bytes of the distinct experts selected, i.e. what a kernel
+streams), ``calls``, ``pairs``.
+
+DEFAULT numerics: float activations x dequantized weights. On Metal (``use_kernels``) the custom kernels of
+``metal_kernels`` read the raw blocks; otherwise the selected experts are dequantized with the MLX-ops
+dequantizers (``quants_mlx``, the kernels' twins) and kept in ``EXPERT_CACHE``, a byte-bounded LRU shared
+by all expert tensors, because on the CPU backend dequantization costs far more than the matmuls.
+
+DS4_CPU numerics reproduce ds4.c's CPU expert arithmetic (portable branch). Each input row is quantized to
+Q8_K [ds4_quantize_row_q8_K] (so the SwiGLU mid vector fed to the down projection is re-quantized, as ds4
+does), and per 256-element super-block i, with integer sums exact:
+
+* IQ2_XXS [ds4_vec_dot_iq2_xxs_q8_K]: ``bsum_i = sum_g (2 * (w_g >> 28) + 1) * sum_32(signed_grid * q8)``
+  (int32; it can exceed 2**24, so it is summed in int32 and rounded once by the int->float conversion);
+  ``sumf += (f16(x.d) * y.d) * (float)bsum_i`` from ``sumf = 0.0f``; result ``0.125f * sumf``.
+* Q2_K [ds4_vec_dot_q2_K_q8_K]: ``isum_i = sum_j (sc_j & 15) * sum_16(q2 * q8)``,
+  ``summs_i = sum_j bsums_j * (sc_j >> 4)``; ``dall = y.d * f16(x.d)``, ``dmin = y.d * f16(x.dmin)``,
+  ``sumf += dall * (float)isum_i - dmin * (float)summs_i`` (two products, a difference, an add; no FMA).
+* Q4_K: ds4's CPU path has no Q4_K dot product (it refuses Q4_K experts; only its GPU paths run the q4
+  model), so there is nothing to reproduce bit for bit. DS4_CPU uses the Q2_K recipe on Q4_K's fields:
+  ``isum_i = sum_j sc_j * sum_32(nibble * q8)`` (int32), ``summs_i = sum_j m_j * sum_32(q8)``, then the
+  same float32 combination with Q4_K's ``d`` and ``dmin``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections import OrderedDict
+
+import numpy as np
+import mlx.core as mx
+
+from ds4_mlx.errors import LayoutError
+from ds4_mlx.formats.ggml_types import BLOCK_GEOMETRY, GGMLType
+from ds4_mlx.formats.iq2xxs_tables import grid_bytes, sign_bits
+from ds4_mlx.formats.quants_mlx import dequantize_rows_mlx, quantize_q8_k_activation_mlx
+from ds4_mlx.model import metal_kernels
+from ds4_mlx.model.linear import Backend, Numerics, _DS4_CHUNK_ELEMENTS, _chunks, _numerics, resolve_backend
+
+QK_K = 256
+
+# The signed IQ2_XXS grid as float32 [256 * 128, 8]: row ``grid_index * 128 + sign_index`` (ds4's
+# iq2xxs_signed_grid, the integers ±8, ±25, ±43).
+_IQ2_SIGNED = mx.array(
+    (grid_bytes().astype(np.float32)[:, None, :]
+     * np.where(sign_bits() == 1, np.float32(-1), np.float32(1))[None, :, :]).reshape(256 * 128, 8)
+)
+
+
+def _f16_pair(b: mx.array, lo: int) -> mx.array:
+    """The little-endian f16 stored at byte ``lo`` of each block (last axis), as float32."""
+    bits = b[..., lo].astype(mx.uint16) | (b[..., lo + 1].astype(mx.uint16) << 8)
+    return bits.view(mx.float16).astype(mx.float32)
+
+
+def _iq2_xxs_parts(slabs: mx.array, n_in: int):
+    """IQ2_XXS blocks uint8 [u, out, row_bytes] -> (signed grid float32 [u, out, nb*8, 32],
+    ls = 2*(w>>28)+1 int32 [u, out, nb, 8], d float32 [u, out, nb])."""
+    u, out_dim, _ = slabs.shape
+    nb = n_in // QK_K
+    b = slabs.reshape(u, out_dim, nb, 66)
+    d = _f16_pair(b, 0)
+    g = b[..., 2:].reshape(u, out_dim, nb, 8, 8)
+    gidx = g[..., 0:4].astype(mx.uint32)  # [u, out, nb, 8, 4]
+    w = (g[..., 4].astype(mx.uint32) | (g[..., 5].astype(mx.uint32) << 8)
+         | (g[..., 6].astype(mx.uint32) << 16) | (g[..., 7].astype(mx.uint32) << 24))  # [u, out, nb, 8]
+    sidx = (w[..., None] >> mx.array([0, 7, 14, 21], dtype=mx.uint32)) & 127
+    rows = (gidx << 7) | sidx
+    vals = mx.take(_IQ2_SIGNED, rows.reshape(-1), axis=0).reshape(u, out_dim, nb * 8, 32)
+    ls = ((w >> 28) * 2 + 1).astype(mx.int32)
+    return vals, ls, d
+
+
+def _q2_k_parts(slabs: mx.array, n_in: int):
+    """Q2_K blocks -> (w = (sc & 15) * q float32 [u, out, nb, 256], m = sc >> 4 float32 [u, out, nb, 16],
+    d, dmin float32 [u, out, nb])."""
+    u, out_dim, _ = slabs.shape
+    nb = n_in // QK_K
+    b = slabs.reshape(u, out_dim, nb, 84)
+    sc = b[..., 0:16]
+    qs = b[..., 16:80].reshape(u, out_dim, nb, 2, 1, 32)
+    q = (qs >> mx.array([0, 2, 4, 6], dtype=mx.uint8).reshape(4, 1)) & 3  # [u, out, nb, 2, 4, 32]
+    # element 128h + 32j + l has sub-block scale index 8h + 2j + l // 16
+    q = q.reshape(u, out_dim, nb, 16, 16)
+    w = (q * (sc & 15)[..., None]).astype(mx.float32).reshape(u, out_dim, nb, QK_K)
+    m = (sc >> 4).astype(mx.float32)
+    return w, m, _f16_pair(b, 80), _f16_pair(b, 82)
+
+
+def _q4_k_parts(slabs: mx.array, n_in: int):
+    """Q4_K blocks -> (nibbles float32 [u, out, nb*8, 32], sc int32 [u, out, nb, 8], m float32 [u, out, nb, 8],
+    d, dmin float32 [u, out, nb])."""
+    u, out_dim, _ = slabs.shape
+    nb = n_in // QK_K
+    b = slabs.reshape(u, out_dim, nb, 144)
+    s = b[..., 4:16].astype(mx.uint32)
+    lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = mx.concatenate([lo & 63, (hi & 15) | ((lo >> 6) << 4)], axis=-1).astype(mx.int32)
+    m = mx.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=-1).astype(mx.float32)
+    qs = b[..., 16:144].reshape(u, out_dim, nb, 4, 1, 32)
+    nib = (qs >> mx.array([0, 4], dtype=mx.uint8).reshape(2, 1)) & 15  # [u, out, nb, 4, 2, 32]
+    nib = nib.astype(mx.float32).reshape(u, out_dim, nb * 8, 32)
+    return nib, sc, m, _f16_pair(b, 0), _f16_pair(b, 2)
+
+
+class ExpertCache:
+    """LRU of dequantized float32 experts shared by every ``ExpertWeights`` of the process.
+
+    Only the DEFAULT MLX-ops path uses it (the Metal kernels read raw blocks, DS4_CPU re-reads them): on the
+    CPU backend, dequantizing the selected experts costs far more than the matmuls, and a decode step of a
+    small model revisits the same experts constantly. The budget is in bytes of float32 weights; 0
+    disables it. Default: ``DS4_MLX_EXPERT_CACHE_MB`` (MiB), else 1024 MiB.
+    """
+
+    def __init__(self, limit_bytes: int):
+        self.limit_bytes = int(limit_bytes)
+        self.nbytes = 0
+        self.hits = 0
+        self.misses = 0
+        self._items: OrderedDict[tuple[int, int], mx.array] = OrderedDict()
+
+    def get(self, key: tuple[int, int]) -> mx.array | None:
+        w = self._items.get(key)
+        if w is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._items.move_to_end(key)
+        return w
+
+    def put(self, key: tuple[int, int], w: mx.array) -> None:
+        size = w.nbytes
+        if size > self.limit_bytes:
+            return
+        old = self._items.pop(key, None)
+        if old is not None:
+            self.nbytes -= old.nbytes
+        self._items[key] = w
+        self.nbytes += size
+        while self.nbytes > self.limit_bytes:
+            _, dropped = self._items.popitem(last=False)
+            self.nbytes -= dropped.nbytes
+
+    def set_limit(self, limit_bytes: int) -> None:
+        self.limit_bytes = int(limit_bytes)
+        while self._items and self.nbytes > self.limit_bytes:
+            _, dropped = self._items.popitem(last=False)
+            self.nbytes -= dropped.nbytes
+
+    def clear(self) -> None:
+        self._items.clear()
+        self.nbytes = 0
+        self.hits = 0
+        self.misses = 0
+
+
+EXPERT_CACHE = ExpertCache(int(float(os.environ.get("DS4_MLX_EXPERT_CACHE_MB", "1024")) * (1 << 20)))
+_instance_ids = itertools.count()
+
+
+class ExpertWeights:
+    """A 3-D routed-expert tensor ``(n_expert, out, in)``, kept as a zero-copy view of the mmap."""
+
+    SUPPORTED_TYPES = (GGMLType.IQ2_XXS, GGMLType.Q2_K, GGMLType.Q4_K)
+
+    def __init__(
+        self,
+        name: str,
+        qtype: GGMLType,
+        raw: np.ndarray,
+        n_in: int,
+        backend: "Backend | str | None" = None,
+        use_kernels: bool | None = None,
+    ):
+        qtype = GGMLType(qtype)
+        if qtype not in self.SUPPORTED_TYPES:
+            raise LayoutError(f"tensor {name!r}: type {qtype.name} is not a routed-expert type "
+                              "(IQ2_XXS, Q2_K, Q4_K)")
+        if raw.ndim != 3:
+            raise LayoutError(f"tensor {name!r}: expected a 3-D expert tensor, got shape {raw.shape}")
+        elems, block_bytes = BLOCK_GEOMETRY[qtype]
+        if n_in % elems or raw.shape[2] != n_in // elems * block_bytes:
+            raise LayoutError(f"tensor {name!r}: {qtype.name} rows of {raw.shape[2]} bytes do not hold {n_in} values")
+        self.name = name
+        self.qtype = qtype
+        self.raw = raw
+        self.shape = (int(raw.shape[0]), int(raw.shape[1]), int(n_in))
+        self.backend = resolve_backend(backend)
+        if use_kernels is None:
+            use_kernels = self.backend is Backend.METAL and metal_kernels.available()
+        self.use_kernels = bool(use_kernels)
+        self.cache = EXPERT_CACHE
+        self._key = next(_instance_ids)
+        self.reset_counters()
+
+    @classmethod
+    def from_gguf(cls, gguf_file, name: str, backend: "Backend | str | None" = None,
+                  use_kernels: bool | None = None) -> "ExpertWeights":
+        info = gguf_file.tensor(name)
+        if len(info.shape) != 3:
+            raise LayoutError(f"tensor {name!r}: expected a 3-D expert tensor, got shape {info.shape}")
+        return cls(name, info.ggml_type, gguf_file.tensor_array(name), info.shape[2], backend, use_kernels)
+
+    @property
+    def expert_nbytes(self) -> int:
+        """Bytes of one expert's slab in the GGUF."""
+        return int(self.raw.shape[1] * self.raw.shape[2])
+
+    def reset_counters(self) -> None:
+        """Zero the counters: ``bytes_read`` (bytes copied out of the mmap), ``bytes_selected`` (GGUF bytes
+        of the distinct experts each call selected: what a kernel streams), ``calls``, ``pairs``."""
+        self.bytes_read = 0
+        self.bytes_selected = 0
+        self.calls = 0
+        self.pairs = 0
+
+    def _read(self, experts: np.ndarray) -> np.ndarray:
+        """Copy the slabs of ``experts`` out of the mmap (only their bytes are touched)."""
+        slabs = np.take(self.raw, experts, axis=0)
+        self.bytes_read += int(slabs.nbytes)
+        return slabs
+
+    def dense_experts(self, experts: np.ndarray) -> list[mx.array]:
+        """float32 [out, in] matrices of ``experts``, through the shared cache (misses read and dequantize)."""
+        ws: list[mx.array | None] = [self.cache.get((self._key, int(e))) for e in experts]
+        missing = [i for i, w in enumerate(ws) if w is None]
+        if missing:
+            slabs = self._read(experts[missing])
+            if self.cache.limit_bytes > 0:
+                # one buffer per expert, so evicting one frees exactly its bytes
+                for j, i in enumerate(missing):
+                    w = dequantize_rows_mlx(mx.array(slabs[j]), self.qtype)
+                    ws[i] = w
+                    self.cache.put((self._key, int(experts[i])), w)
+            else:
+                dense = dequantize_rows_mlx(mx.array(slabs), self.qtype)
+                for j, i in enumerate(missing):
+                    ws[i] = dense[j]
+        return ws  # type: ignore[return-value]
+
+    # -- the call -----------------------------------------------------------------------------------
+
+    def __call__(self, x: mx.array, ids, numerics: "Numerics | str" = Numerics.DEFAULT) -> mx.array:
+        n_expert, out_dim, n_in = self.shape
+        ids_np = np.asarray(ids).astype(np.int64, copy=False)
+        if ids_np.ndim != 2:
+            raise LayoutError(f"tensor {self.name!r}: expert ids must be [T, k], got shape {ids_np.shape}")
+        T, k = ids_np.shape
+        if x.ndim != 3 or x.shape[0] != T or x.shape[1] not in (1, k) or x.shape[2] != n_in:
+            raise LayoutError(f"tensor {self.name!r}: input shape {tuple(x.shape)} does not fit ids {ids_np.shape} "
+                              f"(expected [{T}, 1 or {k}, {n_in}])")
+        if ids_np.size and (ids_np.min() < 0 or ids_np.max() >= n_expert):
+            raise LayoutError(f"tensor {self.name!r}: expert id outside 0..{n_expert - 1} "
+                              f"(got {int(ids_np.min())}..{int(ids_np.max())})")
+        if x.dtype != mx.float32:
+            x = x.astype(mx.float32)
+        if ids_np.size == 0:
+            return mx.zeros((T, k, out_dim), dtype=mx.float32)
+        kx = x.shape[1]
+        uniq, slot = np.unique(ids_np.reshape(-1), return_inverse=True)
+        rows = np.arange(T * k, dtype=np.int64)
+        rows = rows if kx == k else rows // k  # the input row of pair t*k + j
+        slot = slot.reshape(-1)
+        self.bytes_selected += int(uniq.size) * self.expert_nbytes
+        self.calls += 1
+        self.pairs += T * k
+        x_rows = x.reshape(T * kx, n_in)
+        if _numerics(numerics) is Numerics.DS4_CPU:
+            with mx.stream(mx.cpu):
+                y = self._ds4_pairs(mx.array(self._read(uniq)), x_rows, slot, rows)
+        elif self.use_kernels:
+            y = metal_kernels.expert_matmul_kernel(mx.array(self._read(uniq)), self.qtype, x_rows, slot, rows)
+        else:
+            y = metal_kernels.expert_matmul_dense(self.dense_experts(uniq), x_rows, slot, rows)
+        return y.reshape(T, k, out_dim)
+
+    # -- DS4_CPU ------------------------------------------------------------------------------------
+
+    def _ds4_pairs(self, slabs: mx.array, x_rows: mx.array, slot: np.ndarray, rows: np.ndarray) -> mx.array:
+        """Pairs p = (expert slab slot[p], input row rows[p]) -> [P, out] with ds4's CPU arithmetic."""
+        _, out_dim, n_in = self.shape
+        xq, xd = quantize_q8_k_activation_mlx(x_rows)  # int8 [R, in], float32 [R, nb]
+        xq = xq.astype(mx.float32)
+        if self.qtype == GGMLType.IQ2_XXS:
+            parts = _iq2_xxs_parts(slabs, n_in)
+            fn = _ds4_iq2_xxs
+        elif self.qtype == GGMLType.Q2_K:
+            parts = _q2_k_parts(slabs, n_in)
+            fn = _ds4_q2_k
+        else:
+            parts = _q4_k_parts(slabs, n_in)
+            fn = _ds4_q4_k
+        order = np.argsort(slot, kind="stable")
+        bounds = np.searchsorted(slot[order], np.arange(int(slot.max()) + 2))
+        # rows per chunk so the largest temporary, [sub-blocks, rows, out], stays below the bound
+        step = max(1, _DS4_CHUNK_ELEMENTS // ((n_in // 32) * out_dim))
+        big = len(slot) > step
+        pieces = []
+        for s in range(len(bounds) - 1):
+            sel = order[bounds[s]:bounds[s + 1]]
+            w = tuple(p[s] for p in parts)
+            for a, b in _chunks(len(sel), step):
+                r = mx.array(rows[sel[a:b]])
+                pieces.append(fn(w, mx.take(xq, r, axis=0), mx.take(xd, r, axis=0)))
+                if big:
+                    mx.eval(pieces[-1])
+        y_sorted = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)
+        inverse = np.empty_like(order)
+        inverse[order] = np.arange(len(order))
+        return mx.take(y_sorted, mx.array(inverse), axis=0)
+
+
+def _ds4_iq2_xxs(w, xq: mx.array, xd: mx.array) -> mx.array:
+    vals, ls, d = w  # [out, S, 32], [out, nb, 8], [out, nb]
+    out_dim, S, _ = vals.shape
+    nb = S // 8
+    n = xq.shape[0]
+    # per group of 32: |sum| <= 32 * 43 * 128 < 2**24, so the float32 matmul is exact
+    sumi = mx.matmul(xq.reshape(n, S, 32).transpose(1, 0, 2), vals.transpose(1, 2, 0))  # [S, n, out]
+    sumi = sumi.astype(mx.int32).reshape(nb, 8, n, out_dim)
+    bsum = (sumi * ls.transpose(1, 2, 0)[:, :, None, :]).sum(axis=1)  # int32 [nb, n, out], exact
+    bsum = bsum.astype(mx.float32)  # one rounding to nearest even, like ds4's (float)bsum
+    sumf = mx.zeros((n, out_dim), dtype=mx.float32)
+    for i in range(nb):
+        sumf = sumf + (d[:, i][None, :] * xd[:, i:i + 1]) * bsum[i]  # (f16(x.d) * y.d) * (float)bsum
+    return mx.array(0.125, dtype=mx.float32) * sumf
+
+
+def _k_quant_accumulate(isum: mx.array, summs: mx.array, d: mx.array, dmin: mx.array, xd: mx.array) -> mx.array:
+    """``sumf = 0; sumf += (y.d * f16(x.d)) * isum_i - (y.d * f16(x.dmin)) * summs_i`` over super-blocks i.
+
+    ``isum``/``summs`` [nb, n, out] (integer valued, exact), ``d``/``dmin`` [out, nb], ``xd`` [n, nb].
+    """
+    nb, n, out_dim = isum.shape
+    sumf = mx.zeros((n, out_dim), dtype=mx.float32)
+    for i in range(nb):
+        yd = xd[:, i:i + 1]
+        dall = yd * d[:, i][None, :]
+        dm = yd * dmin[:, i][None, :]
+        sumf = sumf + (dall * isum[i] - dm * summs[i])
+    return sumf
+
+
+def _ds4_q2_k(w, xq: mx.array, xd: mx.array) -> mx.array:
+    wq, m, d, dmin = w  # [out, nb, 256], [out, nb, 16], [out, nb], [out, nb]
+    out_dim, nb, _ = wq.shape
+    n = xq.shape[0]
+    x3 = xq.reshape(n, nb, QK_K).transpose(1, 0, 2)  # [nb, n, 256]
+    # |sum| <= 256 * 45 * 128 < 2**24: exact
+    isum = mx.matmul(x3, wq.transpose(1, 2, 0))  # [nb, n, out]
+    bsums = x3.reshape(nb, n, 16, 16).sum(axis=-1)  # |.| <= 2048, exact
+    summs = mx.matmul(bsums, m.transpose(1, 2, 0))  # <= 16 * 2048 * 15: exact
+    return _k_quant_accumulate(isum, summs, d, dmin, xd)
+
+
+def _ds4_q4_k(w, xq: mx.array, xd: mx.array) -> mx.array:
+    nib, sc, m, d, dmin = w  # [out, S, 32], [out, nb, 8], [out, nb, 8], [out, nb], [out, nb]
+    out_dim, S, _ = nib.shape
+    nb = S // 8
+    n = xq.shape[0]
+    x3 = xq.reshape(n, S, 32).transpose(1, 0, 2)  # [S, n, 32]
+    sumi = mx.matmul(x3, nib.transpose(1, 2, 0))  # <= 32 * 15 * 128: exact
+    sumi = sumi.astype(mx.int32).reshape(nb, 8, n, out_dim)
+    isum = (sumi * sc.transpose(1, 2, 0)[:, :, None, :]).sum(axis=1)  # int32: can pass 2**24
+    bsums = x3.sum(axis=-1).reshape(nb, 8, n).transpose(0, 2, 1)  # [nb, n, 8]
+    summs = mx.matmul(bsums, m.transpose(1, 2, 0))  # <= 8 * 4096 * 63: exact
+    return _k_quant_accumulate(isum.astype(mx.float32), summs, d, dmin, xd)

@@ -1,0 +1,371 @@
+"""How every GGUF matrix of the model is held and multiplied, in two numerics modes.
+
+Interface (the architecture code uses only this):
+
+    Numerics.DEFAULT / Numerics.DS4_CPU
+    w = DenseWeight.from_gguf(gguf_file, name)        # 2-D (out, in): Q8_0, F16 or F32
+    y = w(x, numerics)                                 # x [..., in] float32 -> [..., out] float32
+    w.rows(start, stop)                                # a DenseWeight over a slice of output rows
+    e = ExpertWeights.from_gguf(gguf_file, name)       # 3-D (n_expert, out, in): IQ2_XXS/Q2_K/Q4_K
+    y = e(x, ids, numerics)                            # x [T, k|1, in], ids [T, k] int -> [T, k, out]
+
+Additions to that contract (all optional): ``backend=`` on both constructors (below); ``use_kernels=``
+(DenseWeight: opt-in raw-block Q8_0 kernel on Metal; ExpertWeights: default on when Metal is available);
+``w.shape``/``w.qtype``/``w.nbytes``; ``e.shape``/``e.expert_nbytes`` and the counters ``e.bytes_read``,
+``e.bytes_selected``, ``e.calls``, ``e.pairs``, ``e.reset_counters()``; ``experts.EXPERT_CACHE``.
+
+``backend`` (``Backend.CPU`` / ``Backend.METAL``; default ``default_backend()``: METAL when Metal is
+available and the default device is the GPU) decides how weights are kept for the DEFAULT mode:
+
+* CPU: every dense weight is dequantized to float32 once, lazily, and cached. MLX's CPU backend has
+  exactly one fast matmul, the BLAS float32 GEMM; ``mx.quantized_matmul`` there is ~2x slower for one
+  token and ~35x slower for a 64-token batch (Q8_0 1024x4096, measured on a 2-core x86 box).
+* METAL: Q8_0 weights become MLX affine 8-bit group-32 matrices (lossless, see ``q8_0_to_affine``) and are
+  multiplied with ``mx.quantized_matmul``; F16/F32 weights are cached as float32.
+
+``Numerics.DS4_CPU`` reproduces the arithmetic of ds4.c's CPU reference (its portable, non-NEON branch,
+which is what a strict x86 build runs), so per-layer comparison with the oracle can be tight:
+
+* Q8_0 [dot_q8_0_row]: the activation row is quantized per 32 (``quantize_q8_0_activation``); per block b
+  the integer sum ``isum_b`` is exact; then, in float32 and in this order,
+  ``acc = 0.0f; acc += (f16(w.d_b) * x.d_b) * (float)isum_b`` for b = 0, 1, ...
+* F16 [dot_f16_row]: ``acc = 0.0f; acc += f16_to_f32(w_i) * x_i`` for i = 0, 1, ... (float32 product
+  rounded, then the float32 add rounded: the strict build contracts nothing into an FMA).
+* F32 [matvec_f32_worker]: ``acc = 0.0; acc += (double)w_i * x_i`` in float64, then ``(float)acc``.
+
+The DS4_CPU arithmetic always runs on the CPU stream and is never passed through ``mx.compile``: a fused
+kernel may contract ``a * b + c`` into an FMA and change the last bit. Sequential sums are written as
+Python loops of whole-array MLX adds (one add per block or per input element, each over all tokens and
+rows) or, for small outputs, as a ``cumsum`` scan, starting from ``+0.0`` like ds4's accumulators, so every
+rounding is ds4's.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from ds4_mlx.errors import LayoutError
+from ds4_mlx.formats.ggml_types import GGMLType
+from ds4_mlx.formats.quants import dequantize_rows
+from ds4_mlx.formats.quants_mlx import quantize_q8_0_activation_mlx
+
+__all__ = [
+    "Backend",
+    "DenseWeight",
+    "ExpertWeights",
+    "Numerics",
+    "default_backend",
+    "q8_0_to_affine",
+    "resolve_backend",
+]
+
+QK8_0 = 32
+
+# Upper bound on the elements of one temporary in the DS4_CPU paths (float32: 32 MiB). Work is split
+# into token (or expert-pair) chunks below it so an 800-token prefill never builds GiB-sized block sums.
+_DS4_CHUNK_ELEMENTS = 1 << 23
+
+
+class Numerics(str, Enum):
+    """Which arithmetic a matmul uses."""
+
+    DEFAULT = "default"  # float activations x dequantized weights (the fast path)
+    DS4_CPU = "ds4-cpu"  # ds4.c's CPU reference arithmetic (quantized activations, integer block sums)
+
+
+class Backend(str, Enum):
+    """Where the DEFAULT fast path runs, which decides how weights are stored."""
+
+    CPU = "cpu"
+    METAL = "metal"
+
+
+def default_backend() -> Backend:
+    """METAL when MLX has a Metal device and it is the default device, otherwise CPU."""
+    if mx.metal.is_available() and mx.default_device().type == mx.DeviceType.gpu:
+        return Backend.METAL
+    return Backend.CPU
+
+
+def resolve_backend(backend: "Backend | str | None") -> Backend:
+    """``None`` -> ``default_backend()``; a name or member -> that member (ValueError if unknown)."""
+    if backend is None:
+        return default_backend()
+    return Backend(backend)
+
+
+def _numerics(numerics: "Numerics | str") -> Numerics:
+    return numerics if isinstance(numerics, Numerics) else Numerics(numerics)
+
+
+# --------------------------------------------------------------------------------------------------
+# Q8_0 -> MLX affine 8-bit
+
+
+def q8_0_to_affine(raw: np.ndarray) -> tuple[mx.array, mx.array, mx.array]:
+    """Q8_0 rows uint8 (out, in/32*34) -> (w uint32 (out, in/4), scales f32 (out, in/32), biases f32).
+
+    MLX's affine dequantization is ``scale * u + bias`` with ``u`` an unsigned 8-bit code, evaluated in the
+    scales' dtype. With ``u = q + 128``, ``scale = d`` and ``bias = -128 d`` in float32 this is ``d * q``
+    exactly: ``d`` is an f16 (11 significant bits) and ``u`` has 8, so ``d * u`` is exact in float32 (19
+    bits), ``-128 d`` is exact (a power of two times an f16), and ``d u - 128 d = d q`` is exact because
+    both terms are multiples of the same power of two and the result has at most 19 significant bits (an
+    FMA gives the same). f16 scales would not do: MLX would then dequantize to f16 and round ``d * q``.
+    Element j of a uint32 word is its byte j (little-endian), which is MLX's 8-bit packing order.
+    """
+    rows = np.ascontiguousarray(raw)
+    out_dim, row_bytes = rows.shape
+    nb = row_bytes // 34
+    blocks = rows.reshape(out_dim, nb, 34)
+    d = np.ascontiguousarray(blocks[:, :, 0:2]).view("<f2").reshape(out_dim, nb).astype(np.float32)
+    codes = (blocks[:, :, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+    packed = np.ascontiguousarray(codes.reshape(out_dim, nb * QK8_0)).view("<u4")
+    return mx.array(packed), mx.array(d), mx.array(d * np.float32(-128))
+
+
+# --------------------------------------------------------------------------------------------------
+# DS4_CPU helpers
+
+
+# Below this many outputs (tokens x rows) a step of the loop in ``_sequential_outer_sum`` costs more in
+# dispatch than in arithmetic, and one cumulative sum over all products is faster.
+_LOOP_MIN_OUTPUTS = 4096
+
+
+def _sequential_outer_sum(w_cols: mx.array, x2: mx.array) -> mx.array:
+    """``acc = 0; for i: acc += w[:, i] * x[:, i]`` elementwise over [T, out], left to right in i.
+
+    ``w_cols`` is the weight as [in, out]. Either every step is one rounded product and one rounded add on
+    a [T, out] slab (ds4's scalar loop run for all rows and tokens at once), or, for few outputs, all
+    products are formed and summed by ``cumsum``, which on MLX's CPU is a left-to-right scan (checked in
+    the tests); the zero prepended to the scan is ds4's ``acc = 0`` (it turns an all ``-0.0`` sum into
+    ``+0.0``, as C does).
+    """
+    n_in, out_dim = w_cols.shape
+    T = x2.shape[0]
+    if T * out_dim < _LOOP_MIN_OUTPUTS:
+        prods = w_cols.T[None, :, :] * x2[:, None, :]  # [T, out, in]
+        zero = mx.zeros((T, out_dim, 1), dtype=w_cols.dtype)
+        return mx.cumsum(mx.concatenate([zero, prods], axis=-1), axis=-1)[..., -1]
+    xt = mx.contiguous(x2.T)  # [in, T]
+    acc = mx.zeros((T, out_dim), dtype=w_cols.dtype)
+    for i in range(n_in):
+        acc = acc + w_cols[i][None, :] * xt[i][:, None]
+        if i % 1024 == 1023:
+            mx.eval(acc)  # keeps the lazy graph short
+    return acc
+
+
+def _chunks(n: int, step: int):
+    step = max(1, step)
+    for a in range(0, n, step):
+        yield a, min(n, a + step)
+
+
+class DenseWeight:
+    """A 2-D GGUF weight (out, in) of type Q8_0, F16 or F32, kept as a zero-copy view of the mmap.
+
+    Derived forms (float32 matrix, MLX affine matrix, the DS4_CPU integer decomposition) are built on
+    first use and cached. A row slice (``rows``) shares its parent's caches.
+    """
+
+    SUPPORTED_TYPES = (GGMLType.Q8_0, GGMLType.F16, GGMLType.F32)
+
+    def __init__(
+        self,
+        name: str,
+        qtype: GGMLType,
+        raw: np.ndarray,
+        n_in: int,
+        backend: "Backend | str | None" = None,
+        *,
+        use_kernels: bool = False,
+        _parent: "DenseWeight | None" = None,
+        _row0: int = 0,
+    ):
+        qtype = GGMLType(qtype)
+        if qtype not in self.SUPPORTED_TYPES:
+            raise LayoutError(f"tensor {name!r}: type {qtype.name} is not a dense matmul type (Q8_0, F16, F32)")
+        if raw.ndim != 2:
+            raise LayoutError(f"tensor {name!r}: expected a 2-D weight, got shape {raw.shape}")
+        if qtype == GGMLType.Q8_0 and (n_in % QK8_0 or raw.shape[1] != n_in // QK8_0 * 34):
+            raise LayoutError(f"tensor {name!r}: Q8_0 rows of {raw.shape[1]} bytes do not hold {n_in} values")
+        if qtype != GGMLType.Q8_0 and raw.shape[1] != n_in:
+            raise LayoutError(f"tensor {name!r}: rows of {raw.shape[1]} values, expected {n_in}")
+        self.name = name
+        self.qtype = qtype
+        self.raw = raw
+        self.shape = (int(raw.shape[0]), int(n_in))
+        self.backend = resolve_backend(backend) if _parent is None else _parent.backend
+        # opt-in: on Metal, multiply Q8_0 with the raw-block kernel instead of mx.quantized_matmul
+        self.use_kernels = bool(use_kernels) if _parent is None else _parent.use_kernels
+        self._parent = _parent
+        self._row0 = _row0
+        self._dense: mx.array | None = None
+        self._affine: tuple[mx.array, mx.array, mx.array] | None = None
+        self._blocks: mx.array | None = None
+        self._ds4: Any = None
+
+    @classmethod
+    def from_gguf(cls, gguf_file, name: str, backend: "Backend | str | None" = None, *,
+                  use_kernels: bool = False) -> "DenseWeight":
+        info = gguf_file.tensor(name)
+        if len(info.shape) != 2:
+            raise LayoutError(f"tensor {name!r}: expected a 2-D weight, got shape {info.shape}")
+        return cls(name, info.ggml_type, gguf_file.tensor_array(name), info.shape[1], backend,
+                   use_kernels=use_kernels)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the weight as stored in the GGUF."""
+        return int(self.raw.nbytes)
+
+    def rows(self, start: int, stop: int) -> "DenseWeight":
+        """The weight restricted to output rows [start, stop); shares this weight's caches."""
+        if not 0 <= start < stop <= self.shape[0]:
+            raise LayoutError(f"tensor {self.name!r}: row range [{start}, {stop}) outside 0..{self.shape[0]}")
+        root = self if self._parent is None else self._parent
+        row0 = self._row0 + start
+        return DenseWeight(f"{root.name}[{row0}:{row0 + stop - start}]", self.qtype, self.raw[start:stop],
+                           self.shape[1], _parent=root, _row0=row0)
+
+    # -- cached forms ------------------------------------------------------------------------------
+
+    def _slice(self, full: mx.array, axis: int) -> mx.array:
+        n = self.shape[0]
+        index = [slice(None)] * full.ndim
+        index[axis] = slice(self._row0, self._row0 + n)
+        return full[tuple(index)]
+
+    def dense(self) -> mx.array:
+        """The weight as float32 (out, in), bit-identical to the numpy dequantization."""
+        if self._parent is not None:
+            return self._slice(self._parent.dense(), 0)
+        if self._dense is None:
+            if self.qtype == GGMLType.Q8_0:
+                w = dequantize_rows(self.raw, GGMLType.Q8_0)
+            else:
+                w = np.asarray(self.raw, dtype=np.float32)
+            self._dense = mx.array(w)
+        return self._dense
+
+    def affine(self) -> tuple[mx.array, mx.array, mx.array]:
+        """The Q8_0 weight in MLX's affine 8-bit group-32 form (see ``q8_0_to_affine``)."""
+        if self.qtype != GGMLType.Q8_0:
+            raise LayoutError(f"tensor {self.name!r}: only Q8_0 weights have an affine 8-bit form")
+        if self._parent is not None:
+            return tuple(self._slice(a, 0) for a in self._parent.affine())  # type: ignore[return-value]
+        if self._affine is None:
+            self._affine = q8_0_to_affine(self.raw)
+        return self._affine
+
+    def blocks(self) -> mx.array:
+        """The Q8_0 weight as its raw GGUF blocks, uint8 (out, row_bytes), for the Metal matvec kernel."""
+        if self._parent is not None:
+            return self._slice(self._parent.blocks(), 0)
+        if self._blocks is None:
+            self._blocks = mx.array(np.ascontiguousarray(self.raw))
+        return self._blocks
+
+    def _ds4_q8_0(self) -> tuple[mx.array, mx.array]:
+        """(wq float32 [nb, 32, out] holding the int8 codes, wd float32 [nb, out] the block scales)."""
+        if self._parent is not None:
+            wq, wd = self._parent._ds4_q8_0()
+            return self._slice(wq, 2), self._slice(wd, 1)
+        if self._ds4 is None:
+            out_dim, n_in = self.shape
+            nb = n_in // QK8_0
+            blocks = np.ascontiguousarray(self.raw).reshape(out_dim, nb, 34)
+            wd = np.ascontiguousarray(blocks[:, :, 0:2]).view("<f2").reshape(out_dim, nb).astype(np.float32)
+            wq = blocks[:, :, 2:].view(np.int8).astype(np.float32)  # [out, nb, 32]
+            self._ds4 = (mx.array(np.ascontiguousarray(wq.transpose(1, 2, 0))), mx.array(np.ascontiguousarray(wd.T)))
+        return self._ds4
+
+    def _ds4_columns(self, dtype: mx.Dtype) -> mx.array:
+        """The F16/F32 weight transposed, contiguous [in, out], as float32 (F16) or float64 (F32)."""
+        if self._parent is not None:
+            return self._slice(self._parent._ds4_columns(dtype), 1)
+        if self._ds4 is None:
+            np_dtype = np.float64 if dtype == mx.float64 else np.float32
+            self._ds4 = mx.array(np.ascontiguousarray(np.asarray(self.raw, dtype=np_dtype).T))
+        return self._ds4
+
+    # -- multiplication ---------------------------------------------------------------------------
+
+    def __call__(self, x: mx.array, numerics: "Numerics | str" = Numerics.DEFAULT) -> mx.array:
+        out_dim, n_in = self.shape
+        if x.shape[-1:] != (n_in,):
+            raise LayoutError(f"tensor {self.name!r}: input has shape {tuple(x.shape)}, last axis must be {n_in}")
+        lead = tuple(x.shape[:-1])
+        x2 = x.reshape(-1, n_in)
+        if x2.dtype != mx.float32:
+            x2 = x2.astype(mx.float32)
+        if _numerics(numerics) is Numerics.DS4_CPU:
+            with mx.stream(mx.cpu):
+                y = self._ds4_matmul(x2)
+        else:
+            y = self._fast_matmul(x2)
+        return y.reshape(*lead, out_dim)
+
+    def _fast_matmul(self, x2: mx.array) -> mx.array:
+        if self.backend is Backend.METAL and self.qtype == GGMLType.Q8_0 and self.use_kernels:
+            from ds4_mlx.model import metal_kernels
+
+            return metal_kernels.q8_0_matvec_kernel(self.blocks(), x2)
+        if self.backend is Backend.METAL and self.qtype == GGMLType.Q8_0:
+            wq, scales, biases = self.affine()
+            return mx.quantized_matmul(x2, wq, scales, biases, transpose=True, group_size=QK8_0, bits=8)
+        return mx.matmul(x2, self.dense().T)
+
+    def _ds4_matmul(self, x2: mx.array) -> mx.array:
+        if self.qtype == GGMLType.Q8_0:
+            return self._ds4_matmul_q8_0(x2)
+        if self.qtype == GGMLType.F16:
+            return self._ds4_matmul_f16(x2)
+        return self._ds4_matmul_f32(x2)
+
+    def _ds4_matmul_q8_0(self, x2: mx.array) -> mx.array:
+        out_dim, n_in = self.shape
+        nb = n_in // QK8_0
+        wq, wd = self._ds4_q8_0()
+        xq, xd = quantize_q8_0_activation_mlx(x2)  # int8 [T, in], float32 [T, nb]
+        T = x2.shape[0]
+        xq3 = xq.astype(mx.float32).reshape(T, nb, QK8_0).transpose(1, 0, 2)  # [nb, T, 32]
+        # tokens per chunk so the block sums [nb, t, out] stay below the temporary bound
+        t_step = max(1, _DS4_CHUNK_ELEMENTS // (nb * out_dim))
+        pieces = []
+        for t0, t1 in _chunks(T, t_step):
+            # integer block sums: |partial sums| <= 32 * 128 * 128 = 2**19 < 2**24, exact in any order
+            isum = mx.matmul(xq3[:, t0:t1], wq)  # [nb, t, out]
+            xs = xd[t0:t1]
+            acc = mx.zeros((t1 - t0, out_dim), dtype=mx.float32)
+            for b in range(nb):
+                acc = acc + (wd[b][None, :] * xs[:, b:b + 1]) * isum[b]
+            pieces.append(acc)
+            if t_step < T:
+                mx.eval(acc)
+        return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)
+
+    def _ds4_matmul_f16(self, x2: mx.array) -> mx.array:
+        # f16 -> f32 is exact (ds4's f16_to_f32); products and adds are separate float32 roundings
+        return _sequential_outer_sum(self._ds4_columns(mx.float32), x2)
+
+    def _ds4_matmul_f32(self, x2: mx.array) -> mx.array:
+        # float*float is exact in float64 (48 significant bits), so only the order of the adds matters
+        return _sequential_outer_sum(self._ds4_columns(mx.float64), x2.astype(mx.float64)).astype(mx.float32)
+
+    def __repr__(self) -> str:
+        return f"DenseWeight({self.name!r}, {self.qtype.name}, shape={self.shape}, backend={self.backend.value})"
+
+
+def __getattr__(name: str):
+    # ExpertWeights lives in experts.py (which imports this module); re-exported lazily to avoid a cycle.
+    if name == "ExpertWeights":
+        from ds4_mlx.model.experts import ExpertWeights
+
+        return ExpertWeights
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
