@@ -8,6 +8,10 @@ from ds4_mlx import blas as _blas
 
 _blas.preload()
 
+from ds4_mlx import allocator as _allocator
+
+_allocator.tune()
+
 __version__ = "0.1.0"
 
 __all__ = ["load", "__version__"]
