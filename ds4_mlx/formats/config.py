@@ -2,20 +2,22 @@
 
 The same code reads the 43-layer DS4 Flash and the small generated test models: every shape comes
 from metadata. Values that are not shapes (rope bases, YaRN, scales, epsilons) are compared with the
-constants ds4 compiles in, because ds4 refuses a file that disagrees and so do we.
+constants ds4 compiles in, because ds4 refuses a file that disagrees and so do we; the config then
+holds ds4's constants, not the file's values, since ds4 computes with the constants (its tolerance
+would otherwise let, e.g., an RMS epsilon of 1.5e-6 through and change the arithmetic).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 from ds4_mlx.errors import LayoutError
 
 ARCH = "deepseek4"
 
-# Non-shape constants ds4 enforces on every file (ds4.c config_validate_model); compared with rel. tol. 1e-6.
+# Non-shape constants ds4 enforces on every file (ds4.c config_validate_model), with its tolerance (see _close).
 FIXED_FLOATS = {
     "rope.freq_base": 10000.0,
     "attention.compress_rope_freq_base": 160000.0,
@@ -140,11 +142,28 @@ class ModelConfig:
     # -- construction ------------------------------------------------------------------------------
 
     @classmethod
-    def from_metadata(cls, md: dict[str, Any], source: str = "GGUF") -> "ModelConfig":
-        """Build and validate; raises LayoutError naming the key, expected and found values."""
+    def from_gguf(cls, gguf_file: Any) -> "ModelConfig":
+        """From an open ``GGUFFile``, checking declared value types as strictly as ds4."""
+        return cls.from_metadata(gguf_file.metadata, gguf_file.path, value_types=config_value_types(gguf_file))
+
+    @classmethod
+    def from_metadata(
+        cls,
+        md: Mapping[str, Any],
+        source: str = "GGUF",
+        *,
+        value_types: Mapping[str, tuple[int, int | None]] | None = None,
+    ) -> "ModelConfig":
+        """Build and validate; raises LayoutError naming the key, expected and found values.
+
+        ``value_types`` (key -> (GGUF value type id, array element type id or None), as
+        ``config_value_types(gguf_file)`` gives) makes the check as strict as ds4 about declared
+        types: ds4 reads shapes only from u32 keys, floats from f32/f64/u32/i32, and so on. Without
+        it only the Python values are checked.
+        """
         arch = md.get("general.architecture")
         if arch is not None and arch != ARCH:
-            raise LayoutError(f"{source}: general.architecture is {arch!r}, expected {ARCH!r}")
+            raise LayoutError(f"{source}: general.architecture is {_short(arch)}, expected {ARCH!r}")
 
         def get(key: str, kind: type, default: Any = None, required: bool = True):
             full = f"{ARCH}.{key}"
@@ -153,16 +172,18 @@ class ModelConfig:
                     raise LayoutError(f"{source}: required metadata key {full!r} is missing")
                 return default
             v = md[full]
+            if value_types is not None and full in value_types:
+                _check_declared_type(source, full, kind, value_types[full])
             if kind is int:
                 if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                    raise LayoutError(f"{source}: metadata {full!r} must be a non-negative integer, found {v!r}")
+                    raise LayoutError(f"{source}: metadata {full!r} must be a non-negative integer, found {_short(v)}")
             elif kind is float:
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                    raise LayoutError(f"{source}: metadata {full!r} must be a finite number, found {v!r}")
+                    raise LayoutError(f"{source}: metadata {full!r} must be a finite number, found {_short(v)}")
                 v = float(v)
             elif kind is bool:
                 if not isinstance(v, bool):
-                    raise LayoutError(f"{source}: metadata {full!r} must be a bool, found {v!r}")
+                    raise LayoutError(f"{source}: metadata {full!r} must be a bool, found {_short(v)}")
             elif kind is list:
                 if not isinstance(v, list):
                     raise LayoutError(f"{source}: metadata {full!r} must be an array, found {type(v).__name__}")
@@ -178,8 +199,9 @@ class ModelConfig:
                               f"needs at least block_count={n_layer}")
         for il in range(n_layer):
             want = ds4_compress_ratio(il)
-            if ratios[il] != want:
-                raise LayoutError(f"{source}: deepseek4.attention.compress_ratios[{il}] is {ratios[il]!r}, "
+            r = ratios[il]
+            if isinstance(r, bool) or not isinstance(r, int) or r != want:
+                raise LayoutError(f"{source}: deepseek4.attention.compress_ratios[{il}] is {_short(r)}, "
                                   f"ds4's fixed schedule needs {want}")
 
         clamp = get("swiglu_clamp_exp", list)
@@ -187,27 +209,27 @@ class ModelConfig:
             raise LayoutError(f"{source}: deepseek4.swiglu_clamp_exp has {len(clamp)} entries, "
                               f"needs at least block_count={n_layer}")
         for il in range(n_layer):
-            if not isinstance(clamp[il], (int, float)) or not _close(clamp[il], FIXED_SWIGLU_CLAMP):
-                raise LayoutError(f"{source}: deepseek4.swiglu_clamp_exp[{il}] is {clamp[il]!r}, "
+            c = clamp[il]
+            if isinstance(c, bool) or not isinstance(c, (int, float)) or not _close(c, FIXED_SWIGLU_CLAMP):
+                raise LayoutError(f"{source}: deepseek4.swiglu_clamp_exp[{il}] is {_short(c)}, "
                                   f"expected {FIXED_SWIGLU_CLAMP}")
 
-        floats = {}
         for key, want in FIXED_FLOATS.items():
             v = get(key, float)
             if not _close(v, want):
-                raise LayoutError(f"{source}: metadata 'deepseek4.{key}' is {v!r}, expected {want}")
-            floats[key] = v
+                raise LayoutError(f"{source}: metadata 'deepseek4.{key}' is {_short(v)}, expected {want}")
         orig = get("rope.scaling.original_context_length", int)
         if orig != FIXED_ROPE_ORIG_CTX:
             raise LayoutError(f"{source}: metadata 'deepseek4.rope.scaling.original_context_length' is {orig}, "
                               f"expected {FIXED_ROPE_ORIG_CTX}")
-        norm = get("expert_weights_norm", bool, True, required=False)
+        norm = get("expert_weights_norm", bool)
         if norm is not True:
-            raise LayoutError(f"{source}: metadata 'deepseek4.expert_weights_norm' must be true, found {norm!r}")
+            raise LayoutError(f"{source}: metadata 'deepseek4.expert_weights_norm' must be true, found {_short(norm)}")
         for key in ("expert_group_count", "expert_group_used_count"):
             g = get(key, int, 0, required=False)
-            if g not in (0, 1):
-                raise LayoutError(f"{source}: metadata 'deepseek4.{key}' is {g}; ds4 has no group-limited routing")
+            if g != 0:
+                raise LayoutError(f"{source}: metadata 'deepseek4.{key}' is {g}, expected 0 "
+                                  f"(ds4 has no group-limited routing)")
 
         cfg = cls(
             n_layer=n_layer,
@@ -233,17 +255,17 @@ class ModelConfig:
             n_hc=get("hyper_connection.count", int),
             hc_sinkhorn_iter=get("hyper_connection.sinkhorn_iterations", int),
             compress_ratios=tuple(int(r) for r in ratios[:n_layer]),
-            swiglu_clamp=tuple(float(c) for c in clamp[:n_layer]),
-            rope_freq_base=floats["rope.freq_base"],
-            compress_rope_freq_base=floats["attention.compress_rope_freq_base"],
-            rope_scaling_factor=floats["rope.scaling.factor"],
+            swiglu_clamp=(FIXED_SWIGLU_CLAMP,) * n_layer,
+            rope_freq_base=FIXED_FLOATS["rope.freq_base"],
+            compress_rope_freq_base=FIXED_FLOATS["attention.compress_rope_freq_base"],
+            rope_scaling_factor=FIXED_FLOATS["rope.scaling.factor"],
             rope_orig_ctx=orig,
-            yarn_beta_fast=floats["rope.scaling.yarn_beta_fast"],
-            yarn_beta_slow=floats["rope.scaling.yarn_beta_slow"],
-            expert_weights_scale=floats["expert_weights_scale"],
+            yarn_beta_fast=FIXED_FLOATS["rope.scaling.yarn_beta_fast"],
+            yarn_beta_slow=FIXED_FLOATS["rope.scaling.yarn_beta_slow"],
+            expert_weights_scale=FIXED_FLOATS["expert_weights_scale"],
             expert_weights_norm=True,
-            rms_eps=floats["attention.layer_norm_rms_epsilon"],
-            hc_eps=floats["hyper_connection.epsilon"],
+            rms_eps=FIXED_FLOATS["attention.layer_norm_rms_epsilon"],
+            hc_eps=FIXED_FLOATS["hyper_connection.epsilon"],
             context_length=get("context_length", int, 1048576, required=False),
             name=str(md.get("general.name", "")),
         )
@@ -290,5 +312,55 @@ class ModelConfig:
                         f"{getattr(self, name)}, expected {want}")
 
 
-def _close(a: float, b: float) -> bool:
-    return abs(a - b) <= 1e-6 * max(abs(a), abs(b))
+def _short(v: Any, limit: int = 96) -> str:
+    """repr for a message, cut short: a corrupt file can put a 100k-element array where a number goes."""
+    r = repr(v)
+    if len(r) <= limit:
+        return r
+    size = f" ({type(v).__name__} of {len(v)})" if hasattr(v, "__len__") else ""
+    return r[:limit] + "..." + size
+
+
+def _close(got: float, want: float) -> bool:
+    """ds4's float check (config_expect_f32): absolute 1e-6 below 1, relative 1e-6 above."""
+    return abs(got - want) <= max(abs(want), 1.0) * 1e-6
+
+
+# GGUF value type ids (ds4_mlx.formats.gguf.ValueType) ds4 accepts for each kind of key.
+_U32, _I32, _F32, _BOOL, _ARRAY, _U64, _F64 = 4, 5, 6, 7, 9, 10, 12
+_TYPE_NAMES = {0: "UINT8", 1: "INT8", 2: "UINT16", 3: "INT16", 4: "UINT32", 5: "INT32", 6: "FLOAT32",
+               7: "BOOL", 8: "STRING", 9: "ARRAY", 10: "UINT64", 11: "INT64", 12: "FLOAT64"}
+_ACCEPTED_TYPES: dict[str, tuple[frozenset[int], frozenset[int] | None]] = {
+    # ds4's required_u64 takes u32 or u64; every other integer is required_u32.
+    "deepseek4.rope.scaling.original_context_length": (frozenset({_U32, _U64}), None),
+    "deepseek4.context_length": (frozenset({_U32, _U64}), None),
+    "deepseek4.attention.compress_ratios": (frozenset({_ARRAY}), frozenset({_U32, _I32})),
+    "deepseek4.swiglu_clamp_exp": (frozenset({_ARRAY}), frozenset({_F32, _F64})),
+}
+_ACCEPTED_BY_KIND = {
+    int: (frozenset({_U32}), None),
+    float: (frozenset({_F32, _F64, _U32, _I32}), None),  # ds4 required_f32
+    bool: (frozenset({_BOOL}), None),
+}
+
+
+def _check_declared_type(source: str, key: str, kind: type, declared: tuple[int, int | None]) -> None:
+    accepted = _ACCEPTED_TYPES.get(key) or _ACCEPTED_BY_KIND.get(kind)
+    if accepted is None:
+        return
+    types, subs = accepted
+    vtype, sub = declared
+    if vtype in types and (subs is None or sub in subs):
+        return
+    want = " or ".join(sorted(_TYPE_NAMES[t] for t in types))
+    if subs is not None:
+        want += " of " + " or ".join(sorted(_TYPE_NAMES[t] for t in subs))
+    found = _TYPE_NAMES.get(vtype, str(vtype))
+    if vtype == _ARRAY:
+        found += f" of {_TYPE_NAMES.get(sub, str(sub))}"
+    raise LayoutError(f"{source}: metadata {key!r} is declared {found}; ds4 reads it only as {want}")
+
+
+def config_value_types(gguf_file: Any) -> dict[str, tuple[int, int | None]]:
+    """Declared GGUF types of a GGUFFile's metadata, in the form ``from_metadata`` takes."""
+    return {k: (int(f.type), None if f.sub_type is None else int(f.sub_type)) for k, f in gguf_file.fields.items()}

@@ -4,8 +4,9 @@ Nothing is read from tensor data until a view is asked for, and even then the OS
 so opening the 81 GB model costs the size of its header (~10 MB, mostly the tokenizer tables).
 
 Every structural problem raises ``GGUFError`` naming the file and the byte offset where parsing
-stopped; the parser bounds every length by the bytes actually left in the file before allocating,
-so a corrupt count can never make it allocate or loop absurdly.
+stopped; the parser bounds every length by the bytes actually left in the file before allocating
+or looping, so a corrupt count can never make it allocate or iterate absurdly: the work done on any
+input is linear in the file's header size.
 """
 
 from __future__ import annotations
@@ -26,7 +27,14 @@ from ds4_mlx.formats.ggml_types import BLOCK_GEOMETRY, GGMLType
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSION = 3
 DEFAULT_ALIGNMENT = 32
-MAX_DIMS = 4
+MAX_DIMS = 4  # GGML_MAX_DIMS; ggml and gguf-py refuse more
+MAX_NESTING = 8  # array-of-array depth; ds4 refuses deeper nesting too
+
+# Smallest possible encodings, used to reject impossible counts before looping over them:
+# a KV entry is key length (8) + value type (4) + at least one value byte; a tensor info is
+# name length (8) + n_dims (4) + one dim (8) + type (4) + offset (8).
+_MIN_KV_BYTES = 13
+_MIN_TENSOR_INFO_BYTES = 32
 
 
 class ValueType(IntEnum):
@@ -45,31 +53,47 @@ class ValueType(IntEnum):
     FLOAT64 = 12
 
 
-# struct format of each fixed-size scalar type
 _SCALAR = {
-    ValueType.UINT8: "<B",
-    ValueType.INT8: "<b",
-    ValueType.UINT16: "<H",
-    ValueType.INT16: "<h",
-    ValueType.UINT32: "<I",
-    ValueType.INT32: "<i",
-    ValueType.FLOAT32: "<f",
-    ValueType.BOOL: "<B",
-    ValueType.UINT64: "<Q",
-    ValueType.INT64: "<q",
-    ValueType.FLOAT64: "<d",
+    ValueType.UINT8: struct.Struct("<B"),
+    ValueType.INT8: struct.Struct("<b"),
+    ValueType.UINT16: struct.Struct("<H"),
+    ValueType.INT16: struct.Struct("<h"),
+    ValueType.UINT32: struct.Struct("<I"),
+    ValueType.INT32: struct.Struct("<i"),
+    ValueType.FLOAT32: struct.Struct("<f"),
+    ValueType.BOOL: struct.Struct("<B"),
+    ValueType.UINT64: struct.Struct("<Q"),
+    ValueType.INT64: struct.Struct("<q"),
+    ValueType.FLOAT64: struct.Struct("<d"),
 }
+_U32 = _SCALAR[ValueType.UINT32]
+_U64 = _SCALAR[ValueType.UINT64]
+
+# numpy dtype of each fixed-width element type (bool is handled apart: only 0 and 1 are valid)
 _NUMPY = {
-    ValueType.UINT8: "<u1",
-    ValueType.INT8: "<i1",
-    ValueType.UINT16: "<u2",
-    ValueType.INT16: "<i2",
-    ValueType.UINT32: "<u4",
-    ValueType.INT32: "<i4",
-    ValueType.FLOAT32: "<f4",
-    ValueType.UINT64: "<u8",
-    ValueType.INT64: "<i8",
-    ValueType.FLOAT64: "<f8",
+    ValueType.UINT8: np.dtype("<u1"),
+    ValueType.INT8: np.dtype("<i1"),
+    ValueType.UINT16: np.dtype("<u2"),
+    ValueType.INT16: np.dtype("<i2"),
+    ValueType.UINT32: np.dtype("<u4"),
+    ValueType.INT32: np.dtype("<i4"),
+    ValueType.FLOAT32: np.dtype("<f4"),
+    ValueType.UINT64: np.dtype("<u8"),
+    ValueType.INT64: np.dtype("<i8"),
+    ValueType.FLOAT64: np.dtype("<f8"),
+    ValueType.BOOL: np.dtype("<u1"),
+}
+
+# Plain element types whose tensor data maps onto one numpy dtype (BF16 has none: raw uint16).
+_PLAIN_TENSOR_DTYPES = {
+    GGMLType.F32: np.dtype("<f4"),
+    GGMLType.F16: np.dtype("<f2"),
+    GGMLType.BF16: np.dtype("<u2"),
+    GGMLType.F64: np.dtype("<f8"),
+    GGMLType.I8: np.dtype("<i1"),
+    GGMLType.I16: np.dtype("<i2"),
+    GGMLType.I32: np.dtype("<i4"),
+    GGMLType.I64: np.dtype("<i8"),
 }
 
 
@@ -86,6 +110,10 @@ class TensorInfo:
     def shape(self) -> tuple[int, ...]:
         """Row-major (numpy/MLX) shape: the reverse of ``ne``."""
         return tuple(reversed(self.ne))
+
+    @property
+    def n_dims(self) -> int:
+        return len(self.ne)
 
     @property
     def n_elements(self) -> int:
@@ -106,7 +134,13 @@ class MetadataField:
     type: ValueType
     sub_type: ValueType | None  # element type for arrays (outermost level)
     value: Any
-    offset: int
+    offset: int  # where the entry (its key) starts
+    value_offset: int = -1  # first value byte; for arrays, the first element (after type and count)
+
+    @property
+    def count(self) -> int | None:
+        """Element count for arrays, None for scalars."""
+        return len(self.value) if self.type == ValueType.ARRAY else None
 
 
 class _Cursor:
@@ -121,16 +155,16 @@ class _Cursor:
     def fail(self, message: str, offset: int | None = None):
         raise GGUFError(message, path=self.path, offset=self.pos if offset is None else offset)
 
-    def need(self, n: int, what: str):
-        if n < 0 or self.pos + n > self.size:
-            self.fail(f"{what}: needs {n} bytes but only {self.size - self.pos} remain (file is {self.size} bytes)")
+    def need(self, n: int, what: str) -> None:
+        if n < 0 or n > self.size - self.pos:
+            self.fail(f"{what}: needs {n} bytes but only {self.size - self.pos} remain "
+                      f"(file is {self.size} bytes; truncated or corrupt)")
 
     def scalar(self, vtype: ValueType, what: str):
-        fmt = _SCALAR[vtype]
-        n = struct.calcsize(fmt)
-        self.need(n, what)
-        (v,) = struct.unpack_from(fmt, self.buf, self.pos)
-        self.pos += n
+        st = _SCALAR[vtype]
+        self.need(st.size, what)
+        (v,) = st.unpack_from(self.buf, self.pos)
+        self.pos += st.size
         return v
 
     def u32(self, what: str) -> int:
@@ -143,24 +177,66 @@ class _Cursor:
         start = self.pos
         n = self.u64(f"{what} length")
         self.need(n, f"{what} ({n} bytes)")
-        raw = bytes(self.buf[self.pos : self.pos + n])
+        raw = self.buf[self.pos : self.pos + n]
         self.pos += n
         try:
             return raw.decode("utf-8")
         except UnicodeDecodeError as exc:
-            self.fail(f"{what} is not valid UTF-8 ({exc.reason} at byte {exc.start})", start)
+            self.fail(f"{what} is not valid UTF-8 ({exc.reason} at byte {exc.start} of the string)", start)
+
+    def string_array(self, count: int, what: str) -> list[str]:
+        """``count`` length-prefixed strings in one tight loop (the tokenizer tables hold ~257k)."""
+        buf, size, pos = self.buf, self.size, self.pos
+        unpack = _U64.unpack_from
+        raws = []
+        append = raws.append
+        j = 0
+        try:
+            for j in range(count):
+                (n,) = unpack(buf, pos)
+                pos += 8
+                end = pos + n
+                if end > size:
+                    self.pos = pos - 8
+                    self.fail(f"{what}[{j}]: string length {n} runs past the end of the file "
+                              f"(only {size - pos} bytes remain)")
+                append(buf[pos:end])
+                pos = end
+        except struct.error:
+            self.pos = pos
+            self.fail(f"{what}[{j}] length: needs 8 bytes but only {size - pos} remain "
+                      f"(file is {size} bytes; truncated or corrupt)")
+        try:
+            out = [r.decode("utf-8") for r in raws]
+        except UnicodeDecodeError:
+            self._fail_utf8(raws, what)
+        self.pos = pos
+        return out
+
+    def _fail_utf8(self, raws: list[bytes], what: str):
+        p = self.pos
+        for j, r in enumerate(raws):
+            try:
+                r.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                self.fail(f"{what}[{j}] is not valid UTF-8 ({exc.reason} at byte {exc.start} of the string)", p)
+            p += 8 + len(r)
+        raise AssertionError("a string array failed bulk UTF-8 decoding but every element decodes")
 
 
 class GGUFFile:
     """A GGUF v3 file opened read-only by mmap.
 
-    ``metadata`` maps keys to Python values (arrays become lists, numeric arrays numpy arrays
-    only via ``metadata_array``); ``fields`` keeps the declared types for validation;
-    ``tensors`` is the ordered tensor directory.
+    ``metadata`` maps keys to Python values (scalars as int/float/bool/str, arrays as lists, nested
+    arrays as nested lists); ``fields`` keeps each key's declared GGUF types and byte offsets;
+    ``tensors`` is the ordered tensor directory. Numeric arrays are also reachable without a copy
+    through ``metadata_array``.
     """
 
     def __init__(self, path: str | os.PathLike):
         self.path = str(path)
+        self._mm = None
+        self._fh = None
         try:
             self._fh = open(self.path, "rb")
         except OSError as exc:
@@ -169,8 +245,11 @@ class GGUFFile:
             size = os.fstat(self._fh.fileno()).st_size
             if size == 0:
                 raise GGUFError("empty file, not a GGUF", path=self.path, offset=0)
-            self._mm = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_READ)
-            self.file_size = size
+            try:
+                self._mm = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError) as exc:
+                raise GGUFError(f"cannot mmap: {exc}", path=self.path) from None
+            self.file_size = len(self._mm)
             self._parse()
         except BaseException:
             self.close()
@@ -181,82 +260,99 @@ class GGUFFile:
     def _parse(self) -> None:
         cur = _Cursor(self._mm, self.path)
         cur.need(4, "magic")
-        magic = bytes(self._mm[0:4])
+        magic = self._mm[0:4]
         if magic != GGUF_MAGIC:
             cur.fail(f"bad magic {magic!r}, expected b'GGUF' (not a GGUF file)", 0)
         cur.pos = 4
         self.version = cur.u32("version")
         if self.version != GGUF_VERSION:
-            cur.fail(f"unsupported GGUF version {self.version} (only version 3 is supported)", 4)
+            cur.fail(f"unsupported GGUF version {self.version} (only version {GGUF_VERSION} is supported)", 4)
         n_tensors = cur.u64("tensor count")
         n_kv = cur.u64("metadata count")
-        # Each KV entry needs at least 8+1+4+1 bytes and each tensor info at least 8+1+4+8+4+8:
-        # reject counts the file cannot possibly hold before looping over them.
         remaining = self.file_size - cur.pos
-        if n_kv * 13 > remaining:
-            cur.fail(f"metadata count {n_kv} is impossible: the file has only {remaining} bytes left", 16)
-        if n_tensors * 33 > remaining:
-            cur.fail(f"tensor count {n_tensors} is impossible: the file has only {remaining} bytes left", 8)
+        need_kv = n_kv * _MIN_KV_BYTES
+        need_ti = n_tensors * _MIN_TENSOR_INFO_BYTES
+        if need_kv > remaining:
+            cur.fail(f"metadata count {n_kv} is impossible: it needs at least {need_kv} bytes but the file has "
+                     f"only {remaining} left (corrupt count, or the file is truncated)", 16)
+        if need_ti > remaining:
+            cur.fail(f"tensor count {n_tensors} is impossible: it needs at least {need_ti} bytes but the file has "
+                     f"only {remaining} left (corrupt count, or the file is truncated)", 8)
+        if need_kv + need_ti > remaining:
+            cur.fail(f"metadata count {n_kv} and tensor count {n_tensors} need at least {need_kv + need_ti} bytes "
+                     f"but the file has only {remaining} left (corrupt counts, or the file is truncated)", 8)
+        self.n_kv = n_kv
+        self.n_tensors = n_tensors
 
         self.fields: dict[str, MetadataField] = {}
         for i in range(n_kv):
             start = cur.pos
             key = cur.string(f"metadata key #{i}")
-            vtype = self._value_type(cur, cur.u32(f"type of metadata {key!r}"), key)
-            value, sub = self._read_value(cur, vtype, key, depth=0)
             if key in self.fields:
-                cur.fail(f"duplicate metadata key {key!r}", start)
-            self.fields[key] = MetadataField(key, vtype, sub, value, start)
+                cur.fail(f"duplicate metadata key {_q(key)} (first at byte offset {self.fields[key].offset})", start)
+            vtype = self._value_type(cur, cur.u32(f"type of metadata {_q(key)}"), f"metadata {_q(key)}")
+            value_start = cur.pos
+            value, sub = self._read_value(cur, vtype, f"metadata {_q(key)}", depth=0)
+            if vtype == ValueType.ARRAY:
+                value_start += 12  # skip the element type and count
+            self.fields[key] = MetadataField(key, vtype, sub, value, start, value_start)
         self.metadata: dict[str, Any] = {k: f.value for k, f in self.fields.items()}
 
-        align_field = self.fields.get("general.alignment")
         self.alignment = DEFAULT_ALIGNMENT
+        align_field = self.fields.get("general.alignment")
         if align_field is not None:
             a = align_field.value
-            if align_field.type != ValueType.UINT32 or not isinstance(a, int) or a <= 0 or a & (a - 1):
-                cur.fail(f"general.alignment must be a positive power-of-two u32, found {a!r}", align_field.offset)
+            # ggml and gguf-py refuse anything but a power of two (ds4 takes any non-zero value).
+            if align_field.type != ValueType.UINT32 or a == 0 or a & (a - 1):
+                cur.fail(f"general.alignment must be a power-of-two u32, found {align_field.type.name} {a!r}",
+                         align_field.offset)
             self.alignment = a
 
         infos = []
+        names: dict[str, int] = {}
         for i in range(n_tensors):
             start = cur.pos
             name = cur.string(f"tensor #{i} name")
-            n_dims = cur.u32(f"tensor {name!r} dimension count")
+            if name in names:
+                cur.fail(f"duplicate tensor name {_q(name)} (first at byte offset {names[name]})", start)
+            names[name] = start
+            n_dims = cur.u32(f"tensor {_q(name)} dimension count")
             if not 1 <= n_dims <= MAX_DIMS:
-                cur.fail(f"tensor {name!r} has {n_dims} dimensions (1..{MAX_DIMS} allowed)", cur.pos - 4)
-            ne = tuple(cur.u64(f"tensor {name!r} dim {d}") for d in range(n_dims))
-            raw_type = cur.u32(f"tensor {name!r} type")
+                cur.fail(f"tensor {_q(name)} has {n_dims} dimensions (1..{MAX_DIMS} allowed)", cur.pos - 4)
+            ne = tuple(cur.u64(f"tensor {_q(name)} dim {d}") for d in range(n_dims))
+            raw_type = cur.u32(f"tensor {_q(name)} type")
             try:
                 gtype = GGMLType(raw_type)
             except ValueError:
-                cur.fail(f"tensor {name!r} has unknown GGML type id {raw_type}", cur.pos - 4)
-            rel = cur.u64(f"tensor {name!r} offset")
+                cur.fail(f"tensor {_q(name)} has unknown GGML type id {raw_type}", cur.pos - 4)
+            rel = cur.u64(f"tensor {_q(name)} offset")
             infos.append((name, ne, gtype, rel, start))
 
+        self.info_end = cur.pos
         self.data_offset = _align(cur.pos, self.alignment)
-        if self.data_offset > self.file_size and infos:
-            cur.fail(f"tensor data would start at {self.data_offset}, past the end of the file ({self.file_size} bytes)")
+        if infos and self.data_offset > self.file_size:
+            cur.fail(f"tensor data would start at {self.data_offset}, past the end of the file "
+                     f"({self.file_size} bytes; truncated)")
 
         self.tensors: dict[str, TensorInfo] = {}
         for name, ne, gtype, rel, start in infos:
-            if name in self.tensors:
-                cur.fail(f"duplicate tensor name {name!r}", start)
-            if any(d == 0 for d in ne):
-                cur.fail(f"tensor {name!r} has a zero dimension {list(ne)}", start)
+            if 0 in ne:
+                cur.fail(f"tensor {_q(name)} has a zero dimension, ne={list(ne)}", start)
             elems, bbytes = BLOCK_GEOMETRY[gtype]
             if ne[0] % elems:
-                cur.fail(f"tensor {name!r}: row length ne[0]={ne[0]} is not a multiple of the "
+                cur.fail(f"tensor {_q(name)}: row length ne[0]={ne[0]} is not a multiple of the "
                          f"{gtype.name} block size {elems}", start)
             n = 1
             for d in ne:
                 n *= d
             nbytes = n // elems * bbytes
             if rel % self.alignment:
-                cur.fail(f"tensor {name!r}: data offset {rel} is not aligned to {self.alignment}", start)
+                cur.fail(f"tensor {_q(name)}: data offset {rel} is not a multiple of the alignment {self.alignment}",
+                         start)
             offset = self.data_offset + rel
             if offset + nbytes > self.file_size:
-                cur.fail(f"tensor {name!r}: data [{offset}, {offset + nbytes}) extends past the end of the file "
-                         f"({self.file_size} bytes; the file is truncated or the offset is wrong)", start)
+                cur.fail(f"tensor {_q(name)}: data [{offset}, {offset + nbytes}) runs past the end of the file "
+                         f"({self.file_size} bytes; truncated, or a wrong offset or shape)", start)
             self.tensors[name] = TensorInfo(name, gtype, ne, offset, nbytes, start)
         self._check_overlaps()
 
@@ -264,50 +360,62 @@ class GGUFFile:
         spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in self.tensors.values())
         for (s0, e0, n0), (s1, e1, n1) in zip(spans, spans[1:]):
             if s1 < e0:
-                raise GGUFError(f"tensor {n1!r} data [{s1}, {e1}) overlaps tensor {n0!r} [{s0}, {e0})",
-                                path=self.path, offset=s1)
+                raise GGUFError(f"tensor {_q(n1)} data [{s1}, {e1}) overlaps tensor {_q(n0)} [{s0}, {e0})",
+                                path=self.path, offset=self.tensors[n1].info_offset)
 
     @staticmethod
-    def _value_type(cur: _Cursor, raw: int, key: str) -> ValueType:
+    def _value_type(cur: _Cursor, raw: int, what: str) -> ValueType:
         try:
             return ValueType(raw)
         except ValueError:
-            cur.fail(f"metadata {key!r} has unknown value type {raw}", cur.pos - 4)
+            cur.fail(f"{what} has unknown value type {raw}", cur.pos - 4)
 
-    def _read_value(self, cur: _Cursor, vtype: ValueType, key: str, depth: int):
+    def _read_value(self, cur: _Cursor, vtype: ValueType, what: str, depth: int):
         if vtype == ValueType.STRING:
-            return cur.string(f"metadata {key!r} string"), None
-        if vtype == ValueType.ARRAY:
-            if depth > 8:
-                cur.fail(f"metadata {key!r}: arrays nested deeper than 8 levels")
-            sub = self._value_type(cur, cur.u32(f"metadata {key!r} array element type"), key)
-            count = cur.u64(f"metadata {key!r} array length")
-            if sub in _NUMPY:
-                width = np.dtype(_NUMPY[sub]).itemsize
-                cur.need(count * width, f"metadata {key!r} array of {count} {sub.name}")
-                arr = np.frombuffer(self._mm, dtype=_NUMPY[sub], count=count, offset=cur.pos)
-                cur.pos += count * width
-                return arr.tolist(), sub
+            return cur.string(f"{what} string"), None
+        if vtype != ValueType.ARRAY:
+            v = cur.scalar(vtype, f"{what} {vtype.name}")
+            if vtype == ValueType.BOOL:
+                if v > 1:
+                    cur.fail(f"{what}: bool byte is {v}, expected 0 or 1", cur.pos - 1)
+                v = bool(v)
+            return v, None
+
+        if depth >= MAX_NESTING:
+            cur.fail(f"{what}: arrays nested deeper than {MAX_NESTING} levels")
+        sub = self._value_type(cur, cur.u32(f"{what} array element type"), f"{what} array element")
+        count = cur.u64(f"{what} array length")
+        if sub in _NUMPY:
+            dt = _NUMPY[sub]
+            cur.need(count * dt.itemsize, f"{what} array of {count} {sub.name}")
+            arr = np.frombuffer(self._mm, dtype=dt, count=count, offset=cur.pos)
             if sub == ValueType.BOOL:
-                cur.need(count, f"metadata {key!r} array of {count} BOOL")
-                raw = bytes(self._mm[cur.pos : cur.pos + count])
-                cur.pos += count
-                return [b != 0 for b in raw], sub
-            # strings and nested arrays need at least 8 bytes (a length) per element
-            cur.need(count * 8 if count < (1 << 60) else -1, f"metadata {key!r} array of {count} {sub.name}")
-            out = []
-            for j in range(count):
-                v, _ = self._read_value(cur, sub, f"{key}[{j}]", depth + 1)
-                out.append(v)
+                bad = np.flatnonzero(arr > 1)
+                if bad.size:
+                    cur.fail(f"{what}[{int(bad[0])}]: bool byte is {int(arr[bad[0]])}, expected 0 or 1",
+                             cur.pos + int(bad[0]))
+                out = (arr != 0).tolist()
+            else:
+                out = arr.tolist()
+            del arr  # drop the buffer export so close() can unmap
+            cur.pos += count * dt.itemsize
             return out, sub
-        v = cur.scalar(vtype, f"metadata {key!r} {vtype.name}")
-        if vtype == ValueType.BOOL:
-            if v > 1:
-                cur.fail(f"metadata {key!r}: bool byte is {v}, expected 0 or 1", cur.pos - 1)
-            v = bool(v)
-        return v, None
+        # Strings and nested arrays take at least 8 bytes per element (a length or a type+count).
+        cur.need(count * 8, f"{what} array of {count} {sub.name}")
+        if sub == ValueType.STRING:
+            return cur.string_array(count, what), sub
+        out = []
+        for j in range(count):
+            v, _ = self._read_value(cur, sub, f"{what}[{j}]", depth + 1)
+            out.append(v)
+        return out, sub
 
     # -- access ----------------------------------------------------------------------------------
+
+    def _buffer(self):
+        if self._mm is None:
+            raise GGUFError("file is closed", path=self.path)
+        return self._mm
 
     def tensor(self, name: str) -> TensorInfo:
         try:
@@ -316,34 +424,53 @@ class GGUFFile:
             raise GGUFError(f"no tensor named {name!r}", path=self.path) from None
 
     def tensor_data(self, name: str) -> np.ndarray:
-        """The tensor's raw bytes as a read-only uint8 view into the mapping (no copy)."""
+        """The tensor's raw bytes as a read-only 1-D uint8 view into the mapping (no copy)."""
         t = self.tensor(name)
-        return np.frombuffer(self._mm, dtype=np.uint8, count=t.nbytes, offset=t.offset)
+        return np.frombuffer(self._buffer(), dtype=np.uint8, count=t.nbytes, offset=t.offset)
 
     def tensor_array(self, name: str) -> np.ndarray:
-        """Zero-copy typed view: F32/F16/I32 (BF16 as uint16) reshaped to ``shape``; block types as
-        uint8 ``(*shape[:-1], row_bytes)``."""
+        """Zero-copy typed view: F32/F16/I32/... (BF16 as uint16) reshaped to ``shape``; block types
+        as uint8 ``(*shape[:-1], row_bytes)``."""
         t = self.tensor(name)
         raw = self.tensor_data(name)
-        plain = {GGMLType.F32: "<f4", GGMLType.F16: "<f2", GGMLType.BF16: "<u2", GGMLType.I32: "<i4",
-                 GGMLType.F64: "<f8", GGMLType.I8: "<i1", GGMLType.I16: "<i2", GGMLType.I64: "<i8"}
-        if t.ggml_type in plain:
-            return raw.view(plain[t.ggml_type]).reshape(t.shape)
+        dt = _PLAIN_TENSOR_DTYPES.get(t.ggml_type)
+        if dt is not None:
+            return raw.view(dt).reshape(t.shape)
         return raw.reshape(*t.shape[:-1], t.row_bytes)
 
+    def metadata_array(self, key: str) -> np.ndarray:
+        """A numeric metadata array as a read-only numpy view of the file (no copy)."""
+        f = self.fields.get(key)
+        if f is None:
+            raise GGUFError(f"no metadata key {key!r}", path=self.path)
+        if f.type != ValueType.ARRAY or f.sub_type not in _NUMPY:
+            kind = f.type.name if f.type != ValueType.ARRAY else f"array of {f.sub_type.name}"
+            raise GGUFError(f"metadata {key!r} is {kind}, not a numeric array", path=self.path, offset=f.offset)
+        arr = np.frombuffer(self._buffer(), dtype=_NUMPY[f.sub_type], count=len(f.value), offset=f.value_offset)
+        return arr.view(np.bool_) if f.sub_type == ValueType.BOOL else arr
+
+    @property
+    def tensor_bytes(self) -> int:
+        """Sum of the bytes described by the tensor directory."""
+        return sum(t.nbytes for t in self.tensors.values())
+
+    @property
+    def closed(self) -> bool:
+        return self._mm is None
+
     def close(self) -> None:
-        mm = getattr(self, "_mm", None)
+        mm = self._mm
         if mm is not None:
+            self._mm = None
             try:
                 mm.close()
             except BufferError:
-                # numpy views still reference the mapping; it is released when they are.
+                # numpy views still reference the mapping; it is unmapped when the last one dies.
                 pass
-            self._mm = None
-        fh = getattr(self, "_fh", None)
+        fh = self._fh
         if fh is not None:
-            fh.close()
             self._fh = None
+            fh.close()
 
     def __enter__(self) -> "GGUFFile":
         return self
@@ -353,6 +480,13 @@ class GGUFFile:
 
     def __repr__(self) -> str:
         return f"GGUFFile({Path(self.path).name!r}, {len(self.fields)} keys, {len(self.tensors)} tensors)"
+
+
+def _q(name: str, limit: int = 96) -> str:
+    """A key or tensor name quoted for a message; a corrupt length can make one megabytes long."""
+    if len(name) <= limit:
+        return repr(name)
+    return repr(name[:limit]) + f"... ({len(name)} characters)"
 
 
 def _align(x: int, a: int) -> int:

@@ -1,0 +1,237 @@
+"""The tensor layout ds4 requires of a DS4 Flash GGUF, derived from a ``ModelConfig``.
+
+ds4 binds every tensor by name and then checks its GGML type, dimension count and each GGUF dim
+(ds4.c weights_bind, weights_validate_layout); a file passing that check is one the whole model can
+run on without further shape tests. Here the same rules are written once as data
+(``expected_tensors``) and checked by ``validate_layout``, with every shape taken from the config
+so the 43-layer model and the small generated test models share the code.
+
+Tensors ds4 does not know are ignored by ds4; they are listed in the report, not refused.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ds4_mlx.errors import LayoutError
+from ds4_mlx.formats.config import ModelConfig
+from ds4_mlx.formats.ggml_types import GGMLType
+from ds4_mlx.formats.gguf import GGUFFile, TensorInfo
+
+F16 = (GGMLType.F16,)
+F32 = (GGMLType.F32,)
+Q8_0 = (GGMLType.Q8_0,)
+I32 = (GGMLType.I32,)
+# ds4 accepts any of these for each routed expert tensor (tensor_is_routed_expert_type); gate and up
+# must agree. The published files pair IQ2_XXS gate/up with Q2_K down (q2) or Q4_K everywhere (q4).
+ROUTED = (GGMLType.IQ2_XXS, GGMLType.Q2_K, GGMLType.Q4_K)
+
+
+@dataclass(frozen=True)
+class ExpectedTensor:
+    name: str
+    ggml_types: tuple[GGMLType, ...]  # accepted types
+    ne: tuple[int, ...]  # GGUF order (ne[0] fastest); the dimension count is len(ne)
+    required: bool = True
+    layer: int | None = None  # None for the global tensors
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Row-major (numpy/MLX) shape."""
+        return tuple(reversed(self.ne))
+
+    def describe(self) -> str:
+        return f"{'/'.join(t.name for t in self.ggml_types)} {list(self.ne)}"
+
+
+@dataclass
+class LayoutReport:
+    """What ``validate_layout`` found in a file it accepted (a rejected file raises LayoutError)."""
+
+    path: str
+    n_checked: int  # tensors matched against an expectation
+    routed_quant_bits: int  # 2 or 4, as ds4_engine_routed_quant_bits
+    routed_types: dict[str, str]  # layer 0's routed types: {"gate": ..., "up": ..., "down": ...}
+    missing_optional: list[str] = field(default_factory=list)
+    extra_tensors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "n_checked": self.n_checked,
+            "routed_quant_bits": self.routed_quant_bits,
+            "routed_types": dict(self.routed_types),
+            "missing_optional": list(self.missing_optional),
+            "extra_tensors": list(self.extra_tensors),
+            "warnings": list(self.warnings),
+        }
+
+
+def expected_tensors(cfg: ModelConfig) -> list[ExpectedTensor]:
+    """Every tensor ds4 binds, in ds4's binding order, with accepted types and GGUF dims."""
+    E, V, HC = cfg.n_embd, cfg.n_vocab, cfg.n_hc
+    hc_dim = E * HC
+    hc_mix = cfg.hc_mix
+    q_dim = cfg.n_head * cfg.head_dim
+    out_low = cfg.n_out_group * cfg.o_lora_rank
+    group_in = cfg.head_dim * cfg.heads_per_group
+    LQ, D, FF, NE = cfg.q_lora_rank, cfg.head_dim, cfg.n_ff_exp, cfg.n_expert
+    ID, IH = cfg.indexer_head_dim, cfg.n_indexer_head
+
+    out = [
+        ExpectedTensor("token_embd.weight", F16, (E, V)),
+        ExpectedTensor("output_hc_base.weight", F32, (HC,)),
+        ExpectedTensor("output_hc_fn.weight", F16, (hc_dim, HC)),
+        ExpectedTensor("output_hc_scale.weight", F32, (1,)),
+        ExpectedTensor("output_norm.weight", F32, (E,)),
+        ExpectedTensor("output.weight", Q8_0, (E, V)),
+    ]
+    for il in range(cfg.n_layer):
+        p = f"blk.{il}."
+        ratio = cfg.compress_ratio(il)
+
+        def t(name: str, types, ne, required: bool = True) -> None:
+            out.append(ExpectedTensor(p + name, tuple(types), tuple(ne), required, il))
+
+        t("hc_attn_fn.weight", F16, (hc_dim, hc_mix))
+        t("hc_attn_scale.weight", F32, (3,))
+        t("hc_attn_base.weight", F32, (hc_mix,))
+        t("attn_norm.weight", F32, (E,))
+        t("attn_q_a.weight", Q8_0, (E, LQ))
+        t("attn_q_a_norm.weight", F32, (LQ,))
+        t("attn_q_b.weight", Q8_0, (LQ, q_dim))
+        t("attn_kv.weight", Q8_0, (E, D))
+        t("attn_kv_a_norm.weight", F32, (D,))
+        t("attn_sinks.weight", F32, (cfg.n_head,))
+        t("attn_output_a.weight", Q8_0, (group_in, out_low))
+        t("attn_output_b.weight", Q8_0, (out_low, E))
+        if ratio != 0:
+            width = cfg.coff(il) * D
+            t("attn_compressor_ape.weight", F16, (width, ratio))
+            t("attn_compressor_kv.weight", F16, (E, width))
+            t("attn_compressor_gate.weight", F16, (E, width))
+            t("attn_compressor_norm.weight", F32, (D,))
+        if ratio == 4:
+            t("indexer.attn_q_b.weight", F16, (LQ, IH * ID))
+            t("indexer.proj.weight", F16, (E, IH))
+            t("indexer_compressor_ape.weight", F16, (2 * ID, ratio))
+            t("indexer_compressor_kv.weight", F16, (E, 2 * ID))
+            t("indexer_compressor_gate.weight", F16, (E, 2 * ID))
+            t("indexer_compressor_norm.weight", F32, (ID,))
+        t("hc_ffn_fn.weight", F16, (hc_dim, hc_mix))
+        t("hc_ffn_scale.weight", F32, (3,))
+        t("hc_ffn_base.weight", F32, (hc_mix,))
+        t("ffn_norm.weight", F32, (E,))
+        t("ffn_gate_inp.weight", F16, (E, NE))
+        # Optional in ds4 for every layer: without it, selection uses the plain router scores.
+        t("exp_probs_b.bias", F32, (NE,), required=False)
+        t("ffn_gate_exps.weight", ROUTED, (E, FF, NE))
+        t("ffn_up_exps.weight", ROUTED, (E, FF, NE))
+        t("ffn_down_exps.weight", ROUTED, (FF, E, NE))
+        t("ffn_gate_shexp.weight", Q8_0, (E, FF))
+        t("ffn_up_shexp.weight", Q8_0, (E, FF))
+        t("ffn_down_shexp.weight", Q8_0, (FF, E))
+        if cfg.is_hash_layer(il):
+            t("ffn_gate_tid2eid.weight", I32, (cfg.n_expert_used, V))
+    return out
+
+
+def routed_quant_bits(tensors: Mapping[str, TensorInfo] | GGUFFile) -> int:
+    """4 if layer 0's routed gate is Q4_K, 2 for any other type, 0 without one (ds4's rule)."""
+    if isinstance(tensors, GGUFFile):
+        tensors = tensors.tensors
+    gate = tensors.get("blk.0.ffn_gate_exps.weight")
+    if gate is None:
+        return 0
+    return 4 if gate.ggml_type == GGMLType.Q4_K else 2
+
+
+def validate_layout(gguf_file: GGUFFile, cfg: ModelConfig) -> LayoutReport:
+    """Check every tensor ds4 needs; LayoutError on the first problem, else a report.
+
+    As ds4 does, all required names are looked up first (a missing tensor is reported before a
+    misshaped one), then each tensor's type and dims are compared in binding order.
+    """
+    path = gguf_file.path
+    tensors = gguf_file.tensors
+    expected = expected_tensors(cfg)
+
+    for e in expected:
+        if e.required and e.name not in tensors:
+            raise LayoutError(f"{path}: required tensor {e.name!r} is missing (expected {e.describe()})")
+
+    missing_optional: list[str] = []
+    for e in expected:
+        t = tensors.get(e.name)
+        if t is None:
+            missing_optional.append(e.name)
+            continue
+        if t.ggml_type not in e.ggml_types:
+            raise LayoutError(f"{path}: tensor {e.name!r} has type {t.ggml_type.name}, expected "
+                              f"{' or '.join(x.name for x in e.ggml_types)} (expected {e.describe()}, "
+                              f"found {t.ggml_type.name} {list(t.ne)})")
+        if t.ne != e.ne:
+            raise LayoutError(f"{path}: tensor {e.name!r} has GGUF dims {list(t.ne)}, expected {list(e.ne)} "
+                              f"(expected {e.describe()}, found {t.ggml_type.name} {list(t.ne)})")
+
+    routed_by_layer = []
+    for il in range(cfg.n_layer):
+        gate = tensors[f"blk.{il}.ffn_gate_exps.weight"].ggml_type
+        up = tensors[f"blk.{il}.ffn_up_exps.weight"].ggml_type
+        down = tensors[f"blk.{il}.ffn_down_exps.weight"].ggml_type
+        if gate != up:
+            raise LayoutError(f"{path}: layer {il}: routed gate/up experts use different quant types "
+                              f"(ffn_gate_exps is {gate.name}, ffn_up_exps is {up.name}); ds4 needs one type")
+        routed_by_layer.append((gate, down))
+
+    known = {e.name for e in expected}
+    extra = [name for name in tensors if name not in known]
+    warnings: list[str] = []
+    if extra:
+        shown = ", ".join(n if len(n) <= 64 else n[:64] + "..." for n in extra[:5]) + (", ..." if len(extra) > 5 else "")
+        warnings.append(f"{len(extra)} tensor(s) ds4 does not use (ignored): {shown}")
+    no_bias = [il for il in range(cfg.n_hash_layer, cfg.n_layer) if f"blk.{il}.exp_probs_b.bias" not in tensors]
+    if no_bias:
+        warnings.append(f"non-hash layers without exp_probs_b.bias (experts chosen by unbiased scores): {no_bias}")
+    if len(set(routed_by_layer)) > 1:
+        kinds = sorted({f"{g.name}/{d.name}" for g, d in routed_by_layer})
+        warnings.append(f"routed expert types differ between layers (gate-up/down: {', '.join(kinds)})")
+
+    g0, d0 = routed_by_layer[0]
+    return LayoutReport(
+        path=path,
+        n_checked=sum(1 for e in expected if e.name in tensors),
+        routed_quant_bits=routed_quant_bits(tensors),
+        routed_types={"gate": g0.name, "up": g0.name, "down": d0.name},
+        missing_optional=missing_optional,
+        extra_tensors=extra,
+        warnings=warnings,
+    )
+
+
+def load_model_file(path: str | os.PathLike) -> tuple[GGUFFile, ModelConfig, LayoutReport]:
+    """Open (mmap), read the config and validate the layout; the file is closed again on any error.
+
+    Raises GGUFError for an unreadable container, LayoutError for a readable file that is not a
+    DS4 Flash model ds4 would run.
+    """
+    f = GGUFFile(path)
+    try:
+        cfg = ModelConfig.from_gguf(f)
+        report = validate_layout(f, cfg)
+    except BaseException:
+        f.close()
+        raise
+    return f, cfg, report
+
+
+__all__ = [
+    "ExpectedTensor",
+    "LayoutReport",
+    "expected_tensors",
+    "routed_quant_bits",
+    "validate_layout",
+    "load_model_file",
+]

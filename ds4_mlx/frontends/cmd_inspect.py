@@ -1,0 +1,212 @@
+"""`ds4-mlx inspect PATH [--json]`: what a GGUF holds and whether ds4-mlx can run it.
+
+Prints the metadata (long arrays such as the 129k-token vocabulary only summarized), the tensor
+directory, per-type totals, the model config, the layout verdict, and the routed expert precision.
+Exit status: 0 for a valid DS4 Flash file, 1 for a readable file that fails config or layout
+validation (the report is still printed), 2 for an unreadable file (GGUFError, printed by cli.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import sys
+from typing import Any
+
+from ds4_mlx.errors import LayoutError
+from ds4_mlx.formats.config import ModelConfig
+from ds4_mlx.formats.gguf import GGUFFile, MetadataField, ValueType
+from ds4_mlx.formats.layout import LayoutReport, routed_quant_bits, validate_layout
+
+ARRAY_HEAD = 8  # array items shown before eliding
+ARRAY_FULL = 16  # arrays up to this length are shown whole
+TEXT_STRING_MAX = 120  # longest string shown in text mode
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("inspect", help="show a GGUF's metadata, tensors, config and layout verdict",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("path", help="GGUF file")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--no-tensors", action="store_true", help="text mode: omit the per-tensor table")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    with GGUFFile(args.path) as f:
+        info = inspect_file(f)
+    if args.json:
+        json.dump(info, sys.stdout, ensure_ascii=False, allow_nan=False)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(format_text(info, show_tensors=not args.no_tensors))
+    return 0 if info["verdict"] == "OK" else 1
+
+
+# -- collection ---------------------------------------------------------------------------------
+
+
+def inspect_file(f: GGUFFile) -> dict[str, Any]:
+    """Everything ``inspect`` reports, as a JSON-ready dict with stable keys."""
+    tensors = []
+    totals: dict[str, dict[str, int]] = {}
+    n_params = 0
+    for t in f.tensors.values():
+        tensors.append({"name": t.name, "type": t.ggml_type.name, "ne": list(t.ne), "shape": list(t.shape),
+                        "nbytes": t.nbytes, "offset": t.offset})
+        tot = totals.setdefault(t.ggml_type.name, {"count": 0, "nbytes": 0})
+        tot["count"] += 1
+        tot["nbytes"] += t.nbytes
+        n_params += t.n_elements
+
+    config = None
+    layout: LayoutReport | None = None
+    error = None
+    try:
+        cfg = ModelConfig.from_gguf(f)
+        config = cfg.to_dict()
+        layout = validate_layout(f, cfg)
+    except LayoutError as exc:
+        error = str(exc)
+
+    return {
+        "path": f.path,
+        "file_size": f.file_size,
+        "gguf_version": f.version,
+        "alignment": f.alignment,
+        "data_offset": f.data_offset,
+        "n_kv": len(f.fields),
+        "n_tensors": len(f.tensors),
+        "metadata": {k: _field_summary(fl) for k, fl in f.fields.items()},
+        "tensors": tensors,
+        "type_totals": dict(sorted(totals.items(), key=lambda kv: -kv[1]["nbytes"])),
+        "tensor_bytes": f.tensor_bytes,
+        "n_params": n_params,
+        "config": config,
+        "verdict": "OK" if error is None else "INVALID",
+        "error": error,
+        "routed_quant_bits": layout.routed_quant_bits if layout else routed_quant_bits(f),
+        "layout": layout.to_dict() if layout else None,
+        "blas": blas_status(),
+    }
+
+
+def _field_summary(fl: MetadataField) -> dict[str, Any]:
+    if fl.type != ValueType.ARRAY:
+        return {"type": fl.type.name, "value": _json_scalar(fl.value)}
+    return {"type": "ARRAY", "element_type": fl.sub_type.name, **_array_summary(fl.value)}
+
+
+def _array_summary(values: list) -> dict[str, Any]:
+    shown = values if len(values) <= ARRAY_FULL else values[:ARRAY_HEAD]
+    head = [_array_summary(v) if isinstance(v, list) else _json_scalar(v) for v in shown]
+    return {"count": len(values), "head": head, "truncated": len(shown) < len(values)}
+
+
+def _json_scalar(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return repr(v)  # JSON has no NaN/inf
+    return v
+
+
+def blas_status() -> Any:
+    """``ds4_mlx.blas.status()`` when that module exists; None when it does not."""
+    try:
+        blas = importlib.import_module("ds4_mlx.blas")
+    except ModuleNotFoundError as exc:
+        if exc.name == "ds4_mlx.blas":
+            return None
+        return {"error": f"cannot import ds4_mlx.blas: {exc}"}
+    except ImportError as exc:
+        return {"error": f"cannot import ds4_mlx.blas: {exc}"}
+    status = getattr(blas, "status", None)
+    if status is None:
+        return None
+    try:
+        value = status()
+    except Exception as exc:  # a diagnostic must not take inspect down
+        return {"error": f"ds4_mlx.blas.status() failed: {type(exc).__name__}: {exc}"}
+    try:
+        json.dumps(value, allow_nan=False)
+        return value
+    except (TypeError, ValueError):
+        return str(value)
+
+
+# -- text ---------------------------------------------------------------------------------------
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def _text_value(summary: dict[str, Any]) -> str:
+    if summary["type"] != "ARRAY":
+        v = summary["value"]
+        if isinstance(v, str):
+            s = repr(v)
+            return s if len(s) <= TEXT_STRING_MAX else s[:TEXT_STRING_MAX] + f"... ({len(v)} chars)"
+        return repr(v)
+    return _text_array(summary)
+
+
+def _text_array(a: dict[str, Any]) -> str:
+    items = [_text_array(x) if isinstance(x, dict) else _short(x) for x in a["head"]]
+    more = f", ... ({a['count'] - len(a['head'])} more)" if a["truncated"] else ""
+    return f"[{', '.join(items)}{more}]"
+
+
+def _short(v: Any) -> str:
+    s = repr(v)
+    return s if len(s) <= 40 else s[:40] + "..."
+
+
+def format_text(info: dict[str, Any], show_tensors: bool = True) -> str:
+    out: list[str] = []
+    w = out.append
+    w(f"file: {info['path']} ({info['file_size']:,} bytes, {_size(info['file_size'])})")
+    w(f"gguf: v{info['gguf_version']}, {info['n_kv']} metadata keys, {info['n_tensors']} tensors, "
+      f"alignment {info['alignment']}, tensor data at byte {info['data_offset']:,}")
+    w("")
+    w("metadata:")
+    width = max((len(k) for k in info["metadata"]), default=0)
+    for key, s in info["metadata"].items():
+        kind = s["type"] if s["type"] != "ARRAY" else f"{s['element_type']}[{s['count']}]"
+        w(f"  {key:<{width}}  {kind:<14} {_text_value(s)}")
+    if show_tensors:
+        w("")
+        w("tensors:")
+        nw = max((len(t["name"]) for t in info["tensors"]), default=4)
+        w(f"  {'name':<{nw}}  {'type':<8} {'ne (GGUF dims)':<24} {'bytes':>14}")
+        for t in info["tensors"]:
+            w(f"  {t['name']:<{nw}}  {t['type']:<8} {str(t['ne']):<24} {t['nbytes']:>14,}")
+    w("")
+    w("tensor types:")
+    for name, tot in info["type_totals"].items():
+        w(f"  {name:<8} {tot['count']:>5} tensors  {_size(tot['nbytes']):>12}")
+    w(f"  total    {info['n_tensors']:>5} tensors  {_size(info['tensor_bytes']):>12}  "
+      f"({info['n_params'] / 1e9:.3f} B parameters)")
+    if info["config"] is not None:
+        w("")
+        w("config:")
+        w("  " + ", ".join(f"{k}={v}" for k, v in info["config"].items()))
+    w("")
+    if info["verdict"] == "OK":
+        lay = info["layout"]
+        rt = lay["routed_types"]
+        w(f"layout: OK ({lay['n_checked']} tensors checked)")
+        w(f"routed experts: {info['routed_quant_bits']}-bit (gate/up {rt['gate']}, down {rt['down']})")
+        for line in lay["warnings"]:
+            w(f"warning: {line}")
+    else:
+        w(f"layout: INVALID: {info['error']}")
+        if info["routed_quant_bits"]:
+            w(f"routed experts: {info['routed_quant_bits']}-bit (from blk.0.ffn_gate_exps)")
+    blas = info["blas"]
+    w(f"blas: {json.dumps(blas, ensure_ascii=False) if blas is not None else 'not available (ds4_mlx.blas missing)'}")
+    return "\n".join(out) + "\n"
