@@ -40,3 +40,8 @@ class TokenizerError(Ds4Error):
 
 class ChatError(Ds4Error):
     """A chat request cannot be rendered: malformed message, tool call or thinking-mode name."""
+
+
+class KVStoreError(Ds4Error):
+    """A disk KV cache file or directory is unusable (corrupt, incompatible, unwritable) or a store
+    request is malformed (bad reason, tokens, model id)."""

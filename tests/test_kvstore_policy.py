@@ -1,0 +1,123 @@
+"""ds4's disk KV cache policy (kvstore_policy.py): save points, budget arithmetic, eviction score.
+
+Expected values are ds4's own unit tests (ds4_server.c test_kv_cache_*) or worked by hand from the
+rules in ds4_kvstore.c, not taken from our implementation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from ds4_mlx.engine import kvstore_policy as pol
+from ds4_mlx.engine.kvstore_policy import KVStoreOptions
+from ds4_mlx.errors import KVStoreError
+
+USER, ASSISTANT = 9001, 9002
+
+
+def test_defaults_are_ds4s():
+    o = pol.DEFAULT_OPTIONS
+    assert (o.min_tokens, o.cold_max_tokens, o.continued_interval_tokens,
+            o.boundary_trim_tokens, o.boundary_align_tokens) == (512, 30000, 10000, 32, 2048)
+    assert pol.DEFAULT_BUDGET_MB == 4096
+    assert pol.HIT_HALF_LIFE_SECONDS == 21600
+
+
+def test_stable_store_len_matches_ds4_tests():
+    assert pol.stable_store_len(11011) == 10240  # (11011 - 32) aligned down to 2048
+    assert pol.stable_store_len(1695) == 1695  # 1663 -> 0 after alignment: below min, keep n
+    assert pol.stable_store_len(3500, KVStoreOptions(boundary_trim_tokens=0, boundary_align_tokens=1000)) == 3000
+    assert pol.stable_store_len(3500, KVStoreOptions(boundary_trim_tokens=0, boundary_align_tokens=0)) == 3500
+    assert pol.stable_store_len(544) == 544  # not > min + trim
+    assert pol.stable_store_len(2600) == 2048
+
+
+def test_chat_anchor_matches_ds4_tests():
+    opts = KVStoreOptions(min_tokens=4, cold_max_tokens=0)
+    codex = [1, 2, USER, 3, 4, USER, 5, ASSISTANT]
+    claude = [1, 2, 3, 4, USER, 5, ASSISTANT]
+    assert pol.chat_anchor_pos(codex, USER, ASSISTANT, opts) == 5
+    assert pol.chat_anchor_pos(claude, USER, ASSISTANT, opts) == 4
+    multi = [1, 2, USER, 3, ASSISTANT, 4, USER, 5, ASSISTANT]  # later turns never anchor
+    assert pol.chat_anchor_pos(multi, USER, ASSISTANT, KVStoreOptions(min_tokens=2, cold_max_tokens=0)) == 2
+    assert pol.chat_anchor_pos(multi, USER, ASSISTANT, KVStoreOptions(min_tokens=3, cold_max_tokens=0)) == -1
+    assert pol.chat_anchor_pos(multi, -1, ASSISTANT, opts) == -1
+    assert pol.chat_anchor_pos(multi, USER, -1, opts) == -1
+    assert pol.chat_anchor_pos([USER] * 3, USER, ASSISTANT, KVStoreOptions(min_tokens=1, cold_max_tokens=0)) == 2
+
+
+def test_cold_store_len():
+    n = 5000
+    plain = [7] * n
+    assert pol.cold_store_len(plain, USER, ASSISTANT) == 4096  # (5000 - 32) aligned down to 2048
+    anchored = [7] * 1000 + [USER] + [7] * 3000 + [ASSISTANT] + [7] * 999
+    assert pol.cold_store_len(anchored, USER, ASSISTANT) == 1000
+    early = [7] * 100 + [USER] + [7] * 4899  # anchor below min_tokens: fall back to alignment
+    assert pol.cold_store_len(early, USER, ASSISTANT) == 4096
+    assert pol.cold_store_len([7] * 511, USER, ASSISTANT) == 0
+    assert pol.cold_store_len([7] * 512, USER, ASSISTANT) == 512
+    assert pol.cold_store_len([7] * 30000, USER, ASSISTANT) == 28672
+    assert pol.cold_store_len([7] * 30001, USER, ASSISTANT) == 0
+    assert pol.cold_store_len(plain, USER, ASSISTANT, KVStoreOptions(cold_max_tokens=0)) == 0
+
+
+def test_continued_save_due_matches_ds4_tests():
+    assert pol.continued_step() == 10240  # ceil(10000 / 2048) * 2048
+    assert not pol.continued_save_due(10239, 0)
+    assert pol.continued_save_due(10240, 0)
+    assert pol.continued_save_due(10240, 4096)
+    assert pol.continued_save_due(30720, 24576)
+    assert not pol.continued_save_due(18432, 10240)
+    assert pol.continued_save_due(20480, 10240)
+    assert not pol.continued_save_due(20480, 20480)
+    no_align = KVStoreOptions(boundary_align_tokens=0)
+    assert not pol.continued_save_due(29999, 20480, no_align)
+    assert pol.continued_save_due(30000, 20480, no_align)
+    assert not pol.continued_save_due(10240, 0, KVStoreOptions(continued_interval_tokens=0))
+    assert not pol.continued_save_due(256, 0, KVStoreOptions(min_tokens=512, continued_interval_tokens=256,
+                                                             boundary_align_tokens=0))
+
+
+def test_budget_arithmetic():
+    assert pol.required_bytes(100) == 101
+    assert pol.required_bytes(101) == 103  # ceil(1.01) = 2
+    assert pol.required_bytes(0) == 0
+    assert pol.fits_budget(10000, 10100) and not pol.fits_budget(10000, 10099)
+    assert pol.budget_bytes(1) == 1 << 20
+    assert pol.budget_bytes(0) == 4096 << 20  # ds4: 0 means the default
+    assert pol.budget_bytes(0.5) == 1 << 19
+
+
+def test_effective_hits_half_life():
+    hl = pol.HIT_HALF_LIFE_SECONDS
+    assert pol.effective_hits(8, 1000, 500, 1000) == 8
+    assert pol.effective_hits(8, 1000, 500, 1000 + hl) == pytest.approx(4)
+    assert pol.effective_hits(8, 1000, 500, 1000 + 3 * hl) == pytest.approx(1)
+    assert pol.effective_hits(8, 0, 1000, 1000 + hl) == pytest.approx(4)  # created stands in
+    assert pol.effective_hits(8, 0, 0, 5000) == 0  # no timestamp at all
+    # 1 hit decays below 0.01 after log2(100) = 6.64 half-lives and then counts as none
+    assert pol.effective_hits(1, 1000, 0, 1000 + 6.6 * hl) > 0.01
+    assert pol.effective_hits(1, 1000, 0, 1000 + 6.7 * hl) == 0
+    assert pol.effective_hits(5, 2000, 0, 1000) == 5  # clock behind last use: no decay
+
+
+def test_eviction_score_matches_ds4():
+    hl = pol.HIT_HALF_LIFE_SECONDS
+    now = 1000 + 14 * hl
+    stale = pol.eviction_score(1024, 10, 4096, 1000, 0, now)  # ds4: decays_stale_hits
+    fresh = pol.eviction_score(2048, 0, 4096, now, 0, now)
+    assert stale < fresh
+    assert fresh == 1.0 * 2048 / 4096
+    assert pol.eviction_score(1000, 3, 2000, now - hl, 0, now) == pytest.approx((1.5 + 1) * 0.5)
+    assert pol.eviction_score(1000, 3, 0, now, 0, now) == 0
+    assert math.isfinite(pol.eviction_score(1, 2**32 - 1, 1, now, now, now))
+
+
+def test_options_validation():
+    with pytest.raises(KVStoreError, match="cold_max_tokens"):
+        KVStoreOptions(min_tokens=600, cold_max_tokens=500)
+    with pytest.raises(KVStoreError, match="min_tokens"):
+        KVStoreOptions(min_tokens=-1)
+    KVStoreOptions(min_tokens=600, cold_max_tokens=0)
