@@ -1,0 +1,92 @@
+"""`ds4-mlx tokenize -m MODEL (--text T | --file F) [--chat] ... [--json]`: show a tokenization.
+
+Only the GGUF's tokenizer metadata is read; no weights are touched.
+
+Without ``--chat`` the text is tokenized as a rendered prompt: ds4's 7 special strings (BOS, EOS,
+``<｜User｜>``, ``<｜Assistant｜>``, ``<think>``, ``</think>``, ``｜DSML｜``) become their ids, the rest
+is BPE (like ds4 ``--dump-tokens``). With ``--chat`` the text is the user message of ds4's CLI chat
+template (BOS, system text, User, text, Assistant, think tag).
+
+Output: one ``ID<TAB>PIECE`` line per token, PIECE being the Python repr of the token's text (a
+``str``, or ``bytes`` when the token is not valid UTF-8 on its own, e.g. half an emoji).
+``--json`` prints ``{"ids": [...], "pieces": [...]}`` instead, pieces as text with bytes that are not
+valid UTF-8 written ``\\xNN``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ds4_mlx.chat.template import DEFAULT_CTX, DEFAULT_SYSTEM, encode_chat_prompt
+from ds4_mlx.errors import TokenizerError
+from ds4_mlx.formats.gguf import GGUFFile
+from ds4_mlx.tokenizer import Tokenizer
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("tokenize", help="show token ids and pieces of a text",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-m", "--model", required=True, help="DS4 Flash GGUF file (only its tokenizer is read)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--text", help="text to tokenize")
+    src.add_argument("--file", help="read the text from this file (UTF-8)")
+    p.add_argument("--chat", action="store_true", help="wrap the text in ds4's CLI chat template")
+    p.add_argument("-sys", "--system", default=None,
+                   help=f'--chat: system text (default "{DEFAULT_SYSTEM}"; "" for none)')
+    think = p.add_mutually_exclusive_group()
+    think.add_argument("--think", dest="think", action="store_const", const="high",
+                       help="--chat: thinking mode (default)")
+    think.add_argument("--nothink", dest="think", action="store_const", const="none",
+                       help="--chat: no thinking (assistant turn starts with </think>)")
+    think.add_argument("--think-max", dest="think", action="store_const", const="max",
+                       help="--chat: Think Max when --ctx >= 393216, else normal thinking")
+    p.add_argument("--ctx", type=int, default=DEFAULT_CTX,
+                   help=f"--chat: context size deciding Think Max (default {DEFAULT_CTX})")
+    p.add_argument("--json", action="store_true", help='print {"ids": [...], "pieces": [...]}')
+    p.set_defaults(func=run, think="high")
+
+
+def _read_text(args: argparse.Namespace) -> str:
+    if args.text is not None:
+        return args.text
+    try:
+        with open(args.file, "rb") as fh:
+            data = fh.read()
+    except OSError as exc:
+        raise TokenizerError(f"{args.file}: cannot read: {exc.strerror or exc}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TokenizerError(f"{args.file}: not valid UTF-8 (byte offset {exc.start})") from None
+
+
+def tokenize_args(tok: Tokenizer, text: str, args: argparse.Namespace) -> list[int]:
+    if not args.chat:
+        return tok.encode_rendered(text)
+    system = DEFAULT_SYSTEM if args.system is None else args.system
+    return encode_chat_prompt(tok, text, system=system, think=args.think, ctx=args.ctx)
+
+
+def piece_repr(data: bytes) -> str:
+    try:
+        return repr(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        return repr(data)
+
+
+def run(args: argparse.Namespace) -> int:
+    text = _read_text(args)
+    with GGUFFile(args.model) as f:
+        tok = Tokenizer.from_gguf(f)
+    ids = tokenize_args(tok, text, args)
+    out = sys.stdout
+    if args.json:
+        pieces = [tok.token_text(i).decode("utf-8", errors="backslashreplace") for i in ids]
+        json.dump({"ids": ids, "pieces": pieces}, out, ensure_ascii=False)
+        out.write("\n")
+    else:
+        for i in ids:
+            out.write(f"{i}\t{piece_repr(tok.token_text(i))}\n")
+    return 0
