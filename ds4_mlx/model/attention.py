@@ -1,0 +1,212 @@
+"""Attention sub-layer of DS4 Flash: one latent KV head (K = V), sinks, sliding raw window plus
+compressed rows, grouped low-rank output.
+
+For a query at position p (x = HC-reduced input, D = head_dim, n_h heads):
+    xn = RMSNorm(x, attn_norm)
+    qn = RMSNorm(Wq_a·xn, q_a_norm);   q = RMSNorm_per_head(Wq_b·qn)            [n_h, D]
+    kv = RMSNorm(Wkv·xn, kv_norm)                                               [D]
+    q, kv = RoPE(·, p) on the last n_rot dims;  kv = f16r(FP8(kv) on dims < D - n_rot)
+    keys = raw rows at positions max(0, p-n_swa+1)..p   ++ compressed rows visible at p
+           (row c visible iff (c+1)·R <= p+1; ratio 4: only the indexer's top_k when more are visible)
+    out_h = Σ_j e^(s_j - m) key_j / (e^(sink_h - m) + Σ_j e^(s_j - m)),  s_j = q_h·key_j / sqrt(D)
+    heads = RoPE⁻¹(out, p);  a = Wo_b · concat_g(Wo_a[g] · heads[group g])
+A chunk of L queries is processed at once, in blocks of queries sized to bound memory; causality
+is expressed by per-query masks (raw window, compressed-row visibility, indexer selection).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from ds4_mlx.formats.config import ModelConfig
+from ds4_mlx.model.compressor import Compressor
+from ds4_mlx.model.indexer import Indexer
+from ds4_mlx.model.linear import DenseWeight, Numerics
+from ds4_mlx.model.numerics import exp, f16_round, fp8_kv_round, rms_norm, sequential_sum
+from ds4_mlx.model.rope import Rope, apply_rope
+from ds4_mlx.model.state import LayerState
+
+# Upper bound on the floats held by one query block's score / gather tensors.
+BLOCK_BUDGET = 1 << 23
+NEG_INF = float("-inf")
+
+
+class Attention:
+    def __init__(self, cfg: ModelConfig, il: int, *, attn_norm: mx.array, q_a: DenseWeight,
+                 q_a_norm: mx.array, q_b: DenseWeight, kv: DenseWeight, kv_norm: mx.array,
+                 sinks: mx.array, out_a: DenseWeight, out_b: DenseWeight,
+                 compressor: Compressor | None = None, index_compressor: Compressor | None = None,
+                 indexer: Indexer | None = None):
+        self.il = il
+        self.n_head, self.head_dim, self.n_rot = cfg.n_head, cfg.head_dim, cfg.n_rot
+        self.n_nope, self.n_swa, self.eps = cfg.n_nope, cfg.n_swa, cfg.rms_eps
+        self.ratio = cfg.compress_ratio(il)
+        self.n_group, self.o_rank = cfg.n_out_group, cfg.o_lora_rank
+        self.attn_norm, self.q_a, self.q_a_norm, self.q_b = attn_norm, q_a, q_a_norm, q_b
+        self.kv, self.kv_norm, self.sinks, self.out_b = kv, kv_norm, sinks, out_b
+        self.out_a = [out_a.rows(g * self.o_rank, (g + 1) * self.o_rank) for g in range(self.n_group)]
+        self.compressor, self.index_compressor, self.indexer = compressor, index_compressor, indexer
+        self.rope = Rope(cfg, il)
+        self.kq_scale = float(np.float32(1.0) / np.sqrt(np.float32(self.head_dim)))
+
+    # -- the sub-layer ---------------------------------------------------------------------------
+
+    def __call__(self, x: mx.array, p0: int, state: LayerState,
+                 numerics: Numerics) -> tuple[mx.array, LayerState]:
+        """x [L, n_embd] for positions p0..p0+L-1 -> (a [L, n_embd], state after these tokens)."""
+        L, H, D = x.shape[0], self.n_head, self.head_dim
+        pos = p0 + np.arange(L)
+        xn = rms_norm(x, self.attn_norm, self.eps, numerics)
+        qn = rms_norm(self.q_a(xn, numerics), self.q_a_norm, self.eps, numerics)
+        q = rms_norm(self.q_b(qn, numerics).reshape(L, H, D), None, self.eps, numerics)
+        kv = rms_norm(self.kv(xn, numerics), self.kv_norm, self.eps, numerics)
+
+        cos, sin = self.rope.tables(pos, numerics=numerics)
+        q = apply_rope(q, cos, sin)
+        kv = f16_round(fp8_kv_round(apply_rope(kv, cos, sin), self.n_nope))
+
+        # Raw rows before the chunk (positions p0-n_prev..p0-1) followed by the chunk's own rows.
+        n_prev = state.raw.shape[0]
+        raw = mx.concatenate([state.raw, kv], axis=0)
+
+        attn_state = index_state = None
+        comp = idx_rows = None
+        if self.ratio:
+            _, attn_state = self.compressor(xn, p0, state.attn, numerics)
+            comp = attn_state.rows
+            if self.ratio == 4:
+                _, index_state = self.index_compressor(xn, p0, state.index, numerics)
+                idx_rows = index_state.rows
+
+        heads = self._attend(q, qn, xn, cos, sin, pos, raw, n_prev, comp, idx_rows, numerics)
+        icos, isin = self.rope.tables(pos, inverse=True, numerics=numerics)
+        heads = apply_rope(heads, icos, isin)
+
+        groups = heads.reshape(L, self.n_group, (H // self.n_group) * D)
+        low = mx.concatenate([self.out_a[g](groups[:, g], numerics) for g in range(self.n_group)], axis=-1)
+        a = self.out_b(low, numerics)
+
+        new_raw = raw[-self.n_swa:] if raw.shape[0] > self.n_swa else raw
+        return a, LayerState(new_raw, attn_state, index_state)
+
+    # -- attention over the visible rows -----------------------------------------------------------
+
+    def _block_size(self, L: int, n_comp_keys: int, n_index_rows: int, numerics: Numerics) -> int:
+        """Queries per block so that one block's scores / gathered keys stay within BLOCK_BUDGET.
+
+        The DS4_CPU path materialises per-(query, head, key) products of width head_dim to sum them
+        in ds4's order, so its blocks are head_dim times smaller.
+        """
+        H, D = self.n_head, self.head_dim
+        exact = numerics is Numerics.DS4_CPU
+        width = D if exact else 1
+        per_query = H * (self.n_swa + n_comp_keys) * width + self.n_swa * D
+        if self.indexer is not None:
+            per_query += self.indexer.n_head * n_index_rows * (self.indexer.head_dim if exact else 1)
+            per_query += self.indexer.top_k * D
+        shared_raw = 0 if exact else H  # the fast path's block-shared raw keys grow with the block
+        qb = L
+        while qb > 1 and qb * (per_query + shared_raw * qb) > BLOCK_BUDGET:
+            qb = (qb + 1) // 2
+        return qb
+
+    def _attend(self, q: mx.array, qn: mx.array, xn: mx.array, cos: mx.array, sin: mx.array,
+                pos: np.ndarray, raw: mx.array, n_prev: int, comp: mx.array | None,
+                idx_rows: mx.array | None, numerics: Numerics) -> mx.array:
+        """Attention outputs [L, H, D] (before the inverse RoPE) for queries at ``pos``."""
+        L, H, D = q.shape
+        R = self.ratio
+        raw_base = int(pos[0]) - n_prev  # position of raw[0]
+        n_vis_all = (pos + 1) // R if R else np.zeros(L, dtype=np.int64)
+        top_k = self.indexer.top_k if R == 4 else 0
+
+        use_indexer = R == 4 and int(n_vis_all[-1]) > top_k
+        qi = wi = None
+        if use_indexer:
+            qi, wi = self.indexer.queries(qn, xn, cos, sin, numerics)
+        n_comp_keys = top_k if R == 4 else int(n_vis_all[-1])
+        qb = self._block_size(L, n_comp_keys, int(n_vis_all[-1]) if use_indexer else 0, numerics)
+
+        out = []
+        for b0 in range(0, L, qb):
+            b1 = min(L, b0 + qb)
+            pb = pos[b0:b1]
+            if numerics is Numerics.DS4_CPU:
+                # Each query's own window, oldest first (positions before 0 masked).
+                kp = pb[:, None] - self.n_swa + 1 + np.arange(self.n_swa)[None, :]
+                idx = np.maximum(kp - raw_base, 0)
+                raw_keys = mx.take(raw, mx.array(idx.reshape(-1)), axis=0).reshape(b1 - b0, self.n_swa, D)
+                raw_mask = kp >= raw_base
+            else:
+                # Keys at positions [pb[0]-n_swa+1, pb[-1]] shared by the block; per-query mask.
+                k_lo = max(raw_base, int(pb[0]) - self.n_swa + 1)
+                k_hi = int(pb[-1]) + 1
+                kp = np.arange(k_lo, k_hi)
+                raw_keys = raw[k_lo - raw_base: k_hi - raw_base]
+                raw_mask = (kp[None, :] <= pb[:, None]) & (kp[None, :] > pb[:, None] - self.n_swa)
+            key_sets = [(raw_keys, raw_mask)]
+
+            if R:
+                n_vis = n_vis_all[b0:b1]
+                n_max = int(n_vis[-1])
+                if R == 4 and n_max > top_k:
+                    # Per-query indexer selection; rows keep ascending index order, as ds4 scans them.
+                    sc = self.indexer.scores(qi[b0:b1], wi[b0:b1], idx_rows[:n_max], numerics)
+                    sel = self.indexer.select(sc, n_vis)
+                    gathered = mx.take(comp, mx.array(sel.reshape(-1)), axis=0).reshape(b1 - b0, -1, D)
+                    key_sets.append((gathered, sel < n_vis[:, None]))
+                elif n_max > 0:
+                    key_sets.append((comp[:n_max], np.arange(n_max)[None, :] < n_vis[:, None]))
+
+            if numerics is Numerics.DS4_CPU:
+                out.append(self._softmax_ds4(q[b0:b1], key_sets))
+            else:
+                out.append(self._softmax_fast(q[b0:b1], key_sets))
+        return out[0] if len(out) == 1 else mx.concatenate(out, axis=0)
+
+    def _softmax_fast(self, q: mx.array, key_sets: list[tuple[mx.array, np.ndarray]]) -> mx.array:
+        """One sink softmax over all key sets with matmuls. q [n, H, D]; keys [K, D] shared by the
+        block's queries or [n, K, D] per query; masks [n, K]."""
+        n, H, D = q.shape
+        sink = self.sinks.reshape(1, H, 1)
+        qflat = q.reshape(n * H, D)
+        scores = []
+        for keys, mask in key_sets:
+            if keys.ndim == 2:
+                s = (qflat @ keys.T).reshape(n, H, -1)
+            else:
+                s = mx.matmul(q, keys.transpose(0, 2, 1))
+            scores.append(mx.where(mx.array(mask)[:, None, :], s * self.kq_scale, NEG_INF))
+        m = sink
+        for s in scores:
+            m = mx.maximum(m, mx.max(s, axis=-1, keepdims=True))
+        denom = mx.exp(sink - m)
+        acc = None
+        for s, (keys, _) in zip(scores, key_sets):
+            e = mx.exp(s - m)
+            denom = denom + mx.sum(e, axis=-1, keepdims=True)
+            o = (e.reshape(n * H, -1) @ keys).reshape(n, H, D) if keys.ndim == 2 else mx.matmul(e, keys)
+            acc = o if acc is None else acc + o
+        return acc * (1.0 / denom)
+
+    def _softmax_ds4(self, q: mx.array, key_sets: list[tuple[mx.array, np.ndarray]]) -> mx.array:
+        """The same softmax in ds4's CPU order: each score a left-to-right float32 dot, then
+        denominator (sink first) and output accumulated key by key (raw rows, then compressed rows
+        in index order); masked keys weigh exactly 0 and leave both sums unchanged."""
+        n, H, D = q.shape
+        sink = self.sinks.reshape(1, H, 1)
+        scores, keys4 = [], []
+        for keys, mask in key_sets:
+            k4 = keys[None, None] if keys.ndim == 2 else keys[:, None]  # [1|n, 1, K, D]
+            # products laid out [n, H, D, K]: the scan over D then runs on contiguous K-vectors
+            s = sequential_sum(q[:, :, :, None] * k4.transpose(0, 1, 3, 2), axis=2) * self.kq_scale
+            scores.append(mx.where(mx.array(mask)[:, None, :], s, NEG_INF))
+            keys4.append(k4)
+        m = sink
+        for s in scores:
+            m = mx.maximum(m, mx.max(s, axis=-1, keepdims=True))
+        w = [exp(s - m, Numerics.DS4_CPU) for s in scores]
+        denom = sequential_sum(mx.concatenate([exp(sink - m, Numerics.DS4_CPU) * mx.ones((n, 1, 1))] + w, axis=-1))
+        terms = mx.concatenate([wi[..., None] * k4 for wi, k4 in zip(w, keys4)], axis=2)  # [n, H, K, D]
+        return sequential_sum(terms, axis=2) * (1.0 / denom[..., None])

@@ -1,0 +1,63 @@
+"""Lightning indexer of ratio-4 layers: picks, per query, the compressed rows attention may see.
+
+When a query at position p sees Nc = (p+1)//4 compressed rows and Nc > top_k:
+    qi_h  = QAT(RoPE(Wq·qn, p))_h          (n_ih heads × 128; qn = normalised q-lora)
+    wi_h  = (Wproj·xn)_h / sqrt(128·n_ih)
+    score[c] = Σ_h max(0, qi_h · Kidx[c]) · wi_h       over the indexer's own compressed rows
+    selected = the top_k scores, ties to the lowest row index.
+Otherwise every visible row is used and nothing here is computed. The indexer rows come from a
+second compressor (width 128, Hadamard + FP4 rounding) that runs in lock-step with the attention
+compressor, so indexer row c and attention row c describe the same window.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from ds4_mlx.model.linear import DenseWeight, Numerics
+from ds4_mlx.model.numerics import indexer_qat, ordered_sum, sequential_sum
+from ds4_mlx.model.rope import apply_rope
+
+
+class Indexer:
+    def __init__(self, q_b: DenseWeight, proj: DenseWeight, n_head: int, head_dim: int, top_k: int):
+        self.q_b, self.proj = q_b, proj
+        self.n_head, self.head_dim, self.top_k = n_head, head_dim, top_k
+        self.w_scale = float(np.float32(1.0) / np.sqrt(np.float32(head_dim * n_head)))
+
+    def queries(self, qn: mx.array, xn: mx.array, cos: mx.array, sin: mx.array,
+                numerics: Numerics) -> tuple[mx.array, mx.array]:
+        """(qi [T, n_ih, 128] after RoPE + QAT, wi [T, n_ih]) for queries with tables [T, n_rot/2]."""
+        T = qn.shape[0]
+        qi = self.q_b(qn, numerics).reshape(T, self.n_head, self.head_dim)
+        qi = indexer_qat(apply_rope(qi, cos, sin))
+        wi = self.proj(xn, numerics) * self.w_scale
+        return qi, wi
+
+    def scores(self, qi: mx.array, wi: mx.array, rows: mx.array, numerics: Numerics) -> mx.array:
+        """score[t, c] = Σ_h relu(qi[t,h]·rows[c])·wi[t,h]   -> [T, Nc]."""
+        if numerics is Numerics.DS4_CPU:
+            # Left-to-right float32 dots, then the heads added in order, as ds4's scoring loop.
+            dots = mx.maximum(sequential_sum(qi[:, :, :, None] * rows.T[None, None], axis=2), 0.0)
+            return ordered_sum([dots[:, h] * wi[:, h: h + 1] for h in range(self.n_head)])
+        dots = mx.maximum(mx.matmul(qi, rows.T), 0.0)  # [T, n_ih, Nc]
+        return mx.sum(dots * wi[:, :, None], axis=1)
+
+    def select(self, scores: mx.array, n_visible: np.ndarray) -> np.ndarray:
+        """Per query: the top_k visible rows (ties -> lower index), ascending; int32 [T, top_k].
+
+        Queries whose visible count is <= top_k are not scored by ds4: they get rows 0..top_k-1,
+        the caller masks rows >= n_visible.
+        """
+        T, nc = scores.shape
+        k = self.top_k
+        s = np.array(scores, dtype=np.float32)
+        s[np.arange(nc)[None, :] >= n_visible[:, None]] = -np.inf
+        # A stable sort of -score keeps equal scores in index order, as ds4's repeated argmax does.
+        top = np.argsort(-s, axis=1, kind="stable")[:, :k]
+        top.sort(axis=1)
+        dense = n_visible <= k
+        if dense.any():
+            top[dense] = np.arange(k)[None, :]
+        return top.astype(np.int32)

@@ -1,0 +1,165 @@
+"""Build a ``Model`` from a DS4 Flash GGUF: every shape from the metadata, every weight by name.
+
+Small tensors (norms, HC scale/base, sinks, APE, router bias) become float32 MLX arrays; matmul
+weights become ``linear`` objects that keep the GGUF bytes mmap-backed; the embedding stays an
+F16 mmap view gathered row by row.
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+import numpy as np
+
+from ds4_mlx.errors import LayoutError
+from ds4_mlx.formats.config import ModelConfig
+from ds4_mlx.formats.gguf import GGUFFile
+from ds4_mlx.model.attention import Attention
+from ds4_mlx.model.compressor import Compressor
+from ds4_mlx.model.hyper_connection import HyperConnection, OutputHC
+from ds4_mlx.model.indexer import Indexer
+from ds4_mlx.model.linear import DenseWeight, ExpertWeights, Numerics
+from ds4_mlx.model.moe import MoE
+from ds4_mlx.model.rope import Rope
+from ds4_mlx.model.transformer import Block, Model
+
+
+def _open(path: str | os.PathLike) -> tuple[GGUFFile, ModelConfig]:
+    try:
+        from ds4_mlx.formats.layout import load_model_file
+    except ImportError:  # layout validation not available: config checks only
+        f = GGUFFile(path)
+        return f, ModelConfig.from_metadata(f.metadata, source=str(path))
+    f, cfg, _report = load_model_file(path)
+    return f, cfg
+
+
+def parse_numerics(numerics: str | Numerics) -> Numerics:
+    try:
+        return Numerics(numerics)
+    except ValueError:
+        raise LayoutError(f"unknown numerics mode {numerics!r}; expected one of "
+                          f"{[n.value for n in Numerics]}") from None
+
+
+class _Weights:
+    """Name-checked access to the GGUF tensors."""
+
+    def __init__(self, f: GGUFFile, backend: str | None = None):
+        self.f = f
+        self.kw = {} if backend is None else {"backend": backend}
+
+    def has(self, name: str) -> bool:
+        return name in self.f.tensors
+
+    def f32(self, name: str, shape: tuple[int, ...] | None = None) -> mx.array:
+        if name not in self.f.tensors:
+            raise LayoutError(f"{self.f.path}: tensor {name!r} is missing")
+        a = np.asarray(self.f.tensor_array(name)).astype(np.float32)
+        if shape is not None:
+            if a.size != int(np.prod(shape)):
+                raise LayoutError(f"{self.f.path}: tensor {name!r} has {a.size} elements, expected shape {shape}")
+            a = a.reshape(shape)
+        return mx.array(a)
+
+    def dense(self, name: str) -> DenseWeight:
+        if name not in self.f.tensors:
+            raise LayoutError(f"{self.f.path}: tensor {name!r} is missing")
+        return DenseWeight.from_gguf(self.f, name, **self.kw)
+
+    def experts(self, name: str) -> ExpertWeights:
+        if name not in self.f.tensors:
+            raise LayoutError(f"{self.f.path}: tensor {name!r} is missing")
+        return ExpertWeights.from_gguf(self.f, name, **self.kw)
+
+
+def _block(cfg: ModelConfig, w: _Weights, il: int) -> Block:
+    p = f"blk.{il}."
+    eps, n_hc = cfg.rms_eps, cfg.n_hc
+    ratio = cfg.compress_ratio(il)
+
+    def hc(kind: str) -> HyperConnection:
+        return HyperConnection(w.dense(f"{p}hc_{kind}_fn.weight"), w.f32(f"{p}hc_{kind}_scale.weight", (3,)),
+                               w.f32(f"{p}hc_{kind}_base.weight", (cfg.hc_mix,)), n_hc, cfg.hc_sinkhorn_iter,
+                               cfg.hc_eps, eps)
+
+    rope = Rope(cfg, il)
+    compressor = index_compressor = indexer = None
+    if ratio:
+        coff = 2 if ratio == 4 else 1
+        compressor = Compressor(w.dense(f"{p}attn_compressor_kv.weight"), w.dense(f"{p}attn_compressor_gate.weight"),
+                                w.f32(f"{p}attn_compressor_ape.weight", (ratio, coff * cfg.head_dim)),
+                                w.f32(f"{p}attn_compressor_norm.weight", (cfg.head_dim,)),
+                                ratio, cfg.head_dim, rope, cfg.n_nope, eps)
+    if ratio == 4:
+        di = cfg.indexer_head_dim
+        index_compressor = Compressor(w.dense(f"{p}indexer_compressor_kv.weight"),
+                                      w.dense(f"{p}indexer_compressor_gate.weight"),
+                                      w.f32(f"{p}indexer_compressor_ape.weight", (4, 2 * di)),
+                                      w.f32(f"{p}indexer_compressor_norm.weight", (di,)),
+                                      4, di, rope, None, eps)
+        indexer = Indexer(w.dense(f"{p}indexer.attn_q_b.weight"), w.dense(f"{p}indexer.proj.weight"),
+                          cfg.n_indexer_head, di, cfg.indexer_top_k)
+
+    attn = Attention(cfg, il,
+                     attn_norm=w.f32(f"{p}attn_norm.weight", (cfg.n_embd,)),
+                     q_a=w.dense(f"{p}attn_q_a.weight"),
+                     q_a_norm=w.f32(f"{p}attn_q_a_norm.weight", (cfg.q_lora_rank,)),
+                     q_b=w.dense(f"{p}attn_q_b.weight"),
+                     kv=w.dense(f"{p}attn_kv.weight"),
+                     kv_norm=w.f32(f"{p}attn_kv_a_norm.weight", (cfg.head_dim,)),
+                     sinks=w.f32(f"{p}attn_sinks.weight", (cfg.n_head,)),
+                     out_a=w.dense(f"{p}attn_output_a.weight"),
+                     out_b=w.dense(f"{p}attn_output_b.weight"),
+                     compressor=compressor, index_compressor=index_compressor, indexer=indexer)
+
+    tid2eid = None
+    if cfg.is_hash_layer(il):
+        name = f"{p}ffn_gate_tid2eid.weight"
+        if not w.has(name):
+            raise LayoutError(f"{w.f.path}: hash layer {il} needs tensor {name!r}")
+        tid2eid = np.asarray(w.f.tensor_array(name)).reshape(-1, cfg.n_expert_used)
+        if tid2eid.min(initial=0) < 0 or tid2eid.max(initial=0) >= cfg.n_expert:
+            raise LayoutError(f"{w.f.path}: {name} holds expert ids outside 0..{cfg.n_expert - 1}")
+    bias = w.f32(f"{p}exp_probs_b.bias", (cfg.n_expert,)) if w.has(f"{p}exp_probs_b.bias") else None
+    ffn = MoE(ffn_norm=w.f32(f"{p}ffn_norm.weight", (cfg.n_embd,)),
+              router=w.dense(f"{p}ffn_gate_inp.weight"), bias=bias, tid2eid=tid2eid,
+              gate_exps=w.experts(f"{p}ffn_gate_exps.weight"), up_exps=w.experts(f"{p}ffn_up_exps.weight"),
+              down_exps=w.experts(f"{p}ffn_down_exps.weight"),
+              gate_sh=w.dense(f"{p}ffn_gate_shexp.weight"), up_sh=w.dense(f"{p}ffn_up_shexp.weight"),
+              down_sh=w.dense(f"{p}ffn_down_shexp.weight"),
+              n_used=cfg.n_expert_used, weight_scale=cfg.expert_weights_scale, clamp=cfg.swiglu_clamp[il], eps=eps)
+    return Block(il, hc("attn"), attn, hc("ffn"), ffn)
+
+
+def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend: str | None = None) -> Model:
+    """Open a DS4 Flash GGUF (mmap) and build the model; raises a Ds4Error subclass on bad input.
+
+    ``numerics``: "default" (fast path) or "ds4-cpu" (ds4.c's CPU reference arithmetic).
+    ``backend``: where the default-mode matmuls run ("cpu" / "metal"; None = MLX's default device).
+    """
+    mode = parse_numerics(numerics)
+    f, cfg = _open(path)
+    try:
+        return _build(f, cfg, mode, backend)
+    except BaseException:
+        f.close()
+        raise
+
+
+def _build(f: GGUFFile, cfg: ModelConfig, mode: Numerics, backend: str | None) -> Model:
+    w = _Weights(f, backend)
+    emb_name = "token_embd.weight"
+    if not w.has(emb_name):
+        raise LayoutError(f"{f.path}: tensor {emb_name!r} is missing")
+    embedding = f.tensor_array(emb_name)
+    if embedding.dtype != np.float16 or embedding.shape != (cfg.n_vocab, cfg.n_embd):
+        raise LayoutError(f"{f.path}: {emb_name} must be F16 of shape {(cfg.n_vocab, cfg.n_embd)}, "
+                          f"found {embedding.dtype} {embedding.shape}")
+    blocks = [_block(cfg, w, il) for il in range(cfg.n_layer)]
+    output_hc = OutputHC(w.dense("output_hc_fn.weight"), w.f32("output_hc_scale.weight", (1,)),
+                         w.f32("output_hc_base.weight", (cfg.n_hc,)), cfg.hc_eps, cfg.rms_eps)
+    return Model(cfg, mode, embedding=embedding, blocks=blocks, output_hc=output_hc,
+                 output_norm=w.f32("output_norm.weight", (cfg.n_embd,)), output=w.dense("output.weight"),
+                 source=f)

@@ -1,0 +1,101 @@
+"""DS4 Flash blocks and the whole stack.
+
+    H  = embed(token) copied to the n_hc streams                                  [T, n_hc, n_embd]
+    per layer:  (x, post, C) = HC_attn.pre(H);  a = Attention(x);  H = HC.post(a, H, post, C)
+                (x, post, C) = HC_ffn.pre(H);   f = MoE(x);        H = HC.post(f, H, post, C)
+    logits = W_out · RMSNorm(OutputHC(H), output_norm)
+
+``Model.forward_chunk`` runs a chunk of tokens layer-major (all tokens through layer 0, then
+layer 1, …) from an explicit ``ModelState`` and returns the new state; it never mutates its inputs.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from ds4_mlx.formats.config import ModelConfig
+from ds4_mlx.model.attention import Attention
+from ds4_mlx.model.hyper_connection import HyperConnection, OutputHC
+from ds4_mlx.model.linear import DenseWeight, Numerics
+from ds4_mlx.model.moe import MoE
+from ds4_mlx.model.numerics import rms_norm
+from ds4_mlx.model.state import LayerState, ModelState
+
+
+class Block:
+    """One transformer layer: HC-wrapped attention, then HC-wrapped MoE."""
+
+    def __init__(self, il: int, hc_attn: HyperConnection, attn: Attention, hc_ffn: HyperConnection, ffn: MoE):
+        self.il, self.hc_attn, self.attn, self.hc_ffn, self.ffn = il, hc_attn, attn, hc_ffn, ffn
+
+    def attention_part(self, H: mx.array, p0: int, state: LayerState,
+                       numerics: Numerics) -> tuple[mx.array, LayerState]:
+        x, post, comb = self.hc_attn.pre(H, numerics)
+        a, state = self.attn(x, p0, state, numerics)
+        return HyperConnection.post(a, H, post, comb, numerics), state
+
+    def ffn_part(self, H: mx.array, tokens: np.ndarray, numerics: Numerics) -> mx.array:
+        x, post, comb = self.hc_ffn.pre(H, numerics)
+        f = self.ffn(x, tokens, numerics)
+        return HyperConnection.post(f, H, post, comb, numerics)
+
+    def __call__(self, H: mx.array, tokens: np.ndarray, p0: int, state: LayerState,
+                 numerics: Numerics) -> tuple[mx.array, LayerState]:
+        """H [T, n_hc, n_embd] at positions p0.. -> (H after the layer, layer state after the tokens)."""
+        H, state = self.attention_part(H, p0, state, numerics)
+        return self.ffn_part(H, tokens, numerics), state
+
+
+class Model:
+    def __init__(self, cfg: ModelConfig, numerics: Numerics, *, embedding: np.ndarray, blocks: list[Block],
+                 output_hc: OutputHC, output_norm: mx.array, output: DenseWeight, source=None):
+        self.config, self.numerics = cfg, numerics
+        self.embedding = embedding  # [n_vocab, n_embd] float16 (mmap view), rows gathered per token
+        self.blocks, self.output_hc, self.output_norm, self.output = blocks, output_hc, output_norm, output
+        self.source = source  # the GGUFFile the weights map (kept open while the model lives)
+
+    def embed(self, tokens: np.ndarray) -> mx.array:
+        """[T] ids -> H [T, n_hc, n_embd]: the F16 row in every stream."""
+        e = mx.array(np.asarray(self.embedding[tokens], dtype=np.float32))
+        return mx.broadcast_to(e[:, None, :], (e.shape[0], self.config.n_hc, e.shape[1]))
+
+    def head(self, H: mx.array) -> mx.array:
+        """H [T, n_hc, n_embd] -> logits [T, n_vocab]."""
+        y = self.output_hc(H, self.numerics)
+        return self.output(rms_norm(y, self.output_norm, self.config.rms_eps, self.numerics), self.numerics)
+
+    def forward_chunk(self, tokens: np.ndarray, state: ModelState,
+                      want_logits: bool = True) -> tuple[mx.array | None, ModelState]:
+        """Run tokens (positions state.n_tokens..) layer-major; logits of the last token if asked."""
+        if self.numerics is Numerics.DS4_CPU:
+            with mx.stream(mx.cpu):  # float64 steps; the reference arithmetic is a CPU one anyway
+                return self._forward_chunk(tokens, state, want_logits)
+        return self._forward_chunk(tokens, state, want_logits)
+
+    def _forward_chunk(self, tokens: np.ndarray, state: ModelState,
+                       want_logits: bool) -> tuple[mx.array | None, ModelState]:
+        tokens = np.asarray(tokens, dtype=np.int64)
+        p0 = state.n_tokens
+        H = self.embed(tokens)
+        layers = []
+        for block, ls in zip(self.blocks, state.layers):
+            H, ls = block(H, tokens, p0, ls, self.numerics)
+            layers.append(ls)
+            mx.eval(H, *_arrays(ls))
+        new_state = ModelState(p0 + len(tokens), layers)
+        logits = self.head(H[-1:])[0] if want_logits else None
+        return logits, new_state
+
+    def new_session(self, ctx: int | None = None, chunk: int = 2048):
+        from ds4_mlx.model.runner import Session
+
+        return Session(self, ctx=ctx, chunk=chunk)
+
+
+def _arrays(ls: LayerState) -> list[mx.array]:
+    out = [ls.raw]
+    for c in (ls.attn, ls.index):
+        if c is not None:
+            out += [c.rows, c.kst, c.gst]
+    return out
