@@ -13,6 +13,7 @@ import os
 import random
 import struct
 import zlib
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -414,6 +415,12 @@ def test_open_removes_dead_writers_temp_files(tmp_path):
 
 
 # -- eviction --------------------------------------------------------------------------------
+#
+# ds4 HEAD's order is pinned by running the ds4-derived cases under KVStoreOptions.ds4_head();
+# ds4-mlx's two factors (anchor x2, superseded continued demoted) have their own cases below.
+
+DS4_HEAD = KVStoreOptions.ds4_head()
+MODES = {"ds4-head": DS4_HEAD, "ds4-mlx": KVStoreOptions()}
 
 
 def _sized_store(store, n_tokens, size, text, seed=0, reason="cold"):
@@ -423,18 +430,19 @@ def _sized_store(store, n_tokens, size, text, seed=0, reason="cold"):
     return store.store(toks(n_tokens, seed), t, payload(size - fixed, seed), reason)
 
 
-def test_eviction_removes_lowest_token_density_first(tmp_path):
-    store = make_store(tmp_path)
+@pytest.mark.parametrize("mode", MODES)
+def test_eviction_removes_lowest_token_density_first(tmp_path, mode):
+    store = make_store(tmp_path, options=MODES[mode])
     low = _sized_store(store, 600, 20000, "low", 1)  # 0.03 tokens/byte
     high = _sized_store(store, 2000, 20000, "high", 2)  # 0.1 tokens/byte
-    tight = make_store(tmp_path, budget_mb=30000 / 2**20)  # open evicts, like ds4
+    tight = make_store(tmp_path, budget_mb=30000 / 2**20, options=MODES[mode])  # open evicts, like ds4
     assert not low.path.exists() and high.path.exists()
     assert tight.total_bytes() <= tight.budget
 
 
 def test_eviction_protects_the_new_file_and_keeps_continued_frontiers(tmp_path):
     clock = Clock()
-    store = make_store(tmp_path, budget_mb=45000 / 2**20, clock=clock)
+    store = make_store(tmp_path, budget_mb=45000 / 2**20, clock=clock, options=DS4_HEAD)
     cold = _sized_store(store, 600, 20000, "cold", 1, "cold")
     cont = _sized_store(store, 2048, 20000, "cont", 2, "continued")  # a prefix-ish frontier
     # the new file has the lowest density of all, yet the older cold file goes (ds4's protection)
@@ -444,57 +452,232 @@ def test_eviction_protects_the_new_file_and_keeps_continued_frontiers(tmp_path):
 
 def test_eviction_order_uses_decayed_hits_and_last_use(tmp_path):
     clock = Clock()
-    store = make_store(tmp_path, clock=clock)
+    store = make_store(tmp_path, clock=clock, options=DS4_HEAD)
     a = _sized_store(store, 1000, 20000, "a", 1)
     b = _sized_store(store, 1000, 20000, "b", 2)
     for _ in range(4):
         store.load(read_entry(a.path))  # a: 4 hits at T0
     scan = kvstore.scan_dir(tmp_path)
-    order = [e.name for e, _ in kvstore.eviction_order(scan.entries, T0)]
+    order = [e.name for e, _ in kvstore.eviction_order(scan.entries, T0, options=DS4_HEAD)]
     assert order == [b.name, a.name]
     # 14 half-lives later a's hits are worth nothing; b used more recently -> a is older, goes first
     clock.t = T0 + 14 * HIT_HALF_LIFE_SECONDS
     store.load(read_entry(b.path))
     clock.t += 1
     scan = kvstore.scan_dir(tmp_path)
-    order = [e.name for e, _ in kvstore.eviction_order(scan.entries, clock.t)]
+    order = [e.name for e, _ in kvstore.eviction_order(scan.entries, clock.t, options=DS4_HEAD)]
     assert order == [a.name, b.name]
     # after 1 half-life from use, 4 hits count as 2: score (2 + 1) * tokens / size
     e = read_entry(a.path)
-    assert kvstore._score(e, e.last_used + HIT_HALF_LIFE_SECONDS) == pytest.approx(3 * 1000 / 20000)
+    later = e.last_used + HIT_HALF_LIFE_SECONDS
+    assert kvstore._score(e, later, DS4_HEAD).score == pytest.approx(3 * 1000 / 20000)
+    # ds4-mlx: a is a cold anchor, so the same base counts twice
+    s = kvstore._score(e, later, KVStoreOptions())
+    assert s.base == pytest.approx(3 * 1000 / 20000) and s.score == pytest.approx(2 * 3 * 1000 / 20000)
+    assert s.note == "anchor x2"
 
 
-def test_eviction_ties_go_to_older_last_use(tmp_path):
+@pytest.mark.parametrize("mode", MODES)
+def test_eviction_ties_go_to_older_last_use(tmp_path, mode):
     clock = Clock()
-    store = make_store(tmp_path, clock=clock)
+    store = make_store(tmp_path, clock=clock, options=MODES[mode])
     old = _sized_store(store, 1000, 20000, "old", 1)
     clock.t += 60
     young = _sized_store(store, 1000, 20000, "young", 2)
-    removed = kvstore.evict_to_budget(tmp_path, 30000, clock.t)
+    removed = kvstore.evict_to_budget(tmp_path, 30000, clock.t, options=MODES[mode])
     assert [r.path.name for r in removed] == [old.name] and young.path.exists()
 
 
-def test_damaged_files_are_evicted_first_but_count_toward_the_budget(tmp_path):
-    store = make_store(tmp_path)
+@pytest.mark.parametrize("mode", MODES)
+def test_damaged_files_are_evicted_first_but_count_toward_the_budget(tmp_path, mode):
+    store = make_store(tmp_path, options=MODES[mode])
     good = _sized_store(store, 600, 20000, "good", 1)
     bad = _sized_store(store, 4000, 20000, "bad", 2)
     raw = bytearray(bad.path.read_bytes())
     raw[0] = ord("X")
     bad.path.write_bytes(raw)
     assert kvstore.scan_dir(tmp_path).total_bytes == 40000
-    make_store(tmp_path, budget_mb=45000 / 2**20)  # fits: nothing removed
+    make_store(tmp_path, budget_mb=45000 / 2**20, options=MODES[mode])  # fits: nothing removed
     assert bad.path.exists()
-    make_store(tmp_path, budget_mb=30000 / 2**20)
+    make_store(tmp_path, budget_mb=30000 / 2**20, options=MODES[mode])
     assert not bad.path.exists() and good.path.exists()
 
 
+# ds4-mlx: anchors x2 --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reason", ["cold", "evict", "shutdown"])
+def test_anchor_survives_a_denser_fresh_continued_entry(tmp_path, reason):
+    # Same file size, both fresh with 0 hits: densities 1024/S vs 1200/S, so ds4 HEAD keeps the
+    # continued one; x2 makes the anchor 2048/S > 1200/S. Budget: one file only.
+    size = 20000
+    for mode, survivor in (("ds4-mlx", "anchor"), ("ds4-head", "cont")):
+        d = tmp_path / mode
+        store = make_store(d, options=MODES[mode])
+        files = {"anchor": _sized_store(store, 1024, size, "anchor", 1, reason),
+                 "cont": _sized_store(store, 1200, size, "cont", 2, "continued")}
+        make_store(d, budget_mb=(size + 16) / 2**20, options=MODES[mode])  # open evicts
+        assert [k for k, e in files.items() if e.path.exists()] == [survivor], mode
+
+
+def test_continued_entry_needs_a_real_hit_to_outrank_an_anchor(tmp_path):
+    clock = Clock()
+    store = make_store(tmp_path, clock=clock)
+    anchor = _sized_store(store, 1024, 20000, "anchor", 1, "cold")
+    cont = _sized_store(store, 1200, 20000, "cont", 2, "continued")
+    store.load(read_entry(cont.path))  # 1 fresh hit: (1 + 1) * 1200 > 2 * (0 + 1) * 1024
+    make_store(tmp_path, budget_mb=20016 / 2**20, clock=clock)
+    assert cont.path.exists() and not anchor.path.exists()
+
+
+# ds4-mlx: superseded continued entries are demoted ---------------------------------------------
+
+
+def _prefix_family(store, clock, reason_long="continued", long_size=30000):
+    """U: an unrelated continued entry (oldest); P: continued, prefix of L; L: newer, extends P.
+    U and P have the same shape (1000 tokens, 20000 bytes)."""
+    base = toks(3000, 7)
+    u = store.store(toks(1000, 8), b"U", payload(20000 - 52 - 1 - 4000 - 68, 8), "continued")
+    clock.t += 60
+    p = store.store(base[:1000], b"P", payload(20000 - 52 - 1 - 4000 - 68, 9), "continued")
+    clock.t += 60
+    long = store.store(base, b"L", payload(long_size - 52 - 1 - 12000 - 68, 10), reason_long)
+    clock.t += 60
+    return u, p, long
+
+
+def test_superseded_continued_is_evicted_before_an_unrelated_one_of_the_same_shape(tmp_path):
+    for mode, victim in (("ds4-mlx", "P"), ("ds4-head", "U")):  # ds4: equal scores, older U goes
+        clock = Clock()
+        d = tmp_path / mode
+        store = make_store(d, clock=clock, options=MODES[mode])
+        u, p, long = _prefix_family(store, clock)
+        scores = kvstore.eviction_scores(kvstore.scan_dir(d).entries, clock.t, MODES[mode])
+        assert scores[u.name].score == pytest.approx(1000 / 20000)
+        if mode == "ds4-mlx":
+            assert scores[p.name].superseded_by == (long.name,)
+            assert scores[p.name].score == pytest.approx(0.02 * 1000 / 20000)
+            assert scores[p.name].note == f"superseded x0.02 by {long.name}"
+        else:
+            assert scores[p.name].score == scores[u.name].score
+        removed = kvstore.evict_to_budget(d, 20000 + 30000, clock.t, options=MODES[mode])
+        assert [r.path.name for r in removed] == [{"P": p, "U": u}[victim].name]
+        assert long.path.exists()
+
+
+def test_store_counts_the_file_being_written_as_the_superseder(tmp_path):
+    # Room for the long file is made before it exists; P must still be the one to go.
+    for mode, victim in (("ds4-mlx", "P"), ("ds4-head", "U")):
+        clock = Clock()
+        d = tmp_path / mode
+        store = make_store(d, budget_mb=55000 / 2**20, clock=clock, options=MODES[mode])
+        u, p, long = _prefix_family(store, clock)
+        assert long is not None and long.path.exists()
+        gone = [k for k, e in (("P", p), ("U", u)) if not e.path.exists()]
+        assert gone == [victim], mode
+
+
+def test_superseded_entry_with_hits_is_demoted_less(tmp_path):
+    clock = Clock()
+    store = make_store(tmp_path, clock=clock)
+    u, p, long = _prefix_family(store, clock)
+    store.load(read_entry(p.path))
+    clock.t += HIT_HALF_LIFE_SECONDS  # 1 hit, half-life later: 0.5 effective hits
+    s = kvstore.eviction_scores(kvstore.scan_dir(tmp_path).entries, clock.t)[p.name]
+    assert s.base == pytest.approx(1.5 * 1000 / 20000)
+    assert s.superseded_factor == 0.25 and s.score == pytest.approx(0.25 * 1.5 * 1000 / 20000)
+    clock.t += 14 * HIT_HALF_LIFE_SECONDS  # decayed below 0.01: counts as never hit again
+    s = kvstore.eviction_scores(kvstore.scan_dir(tmp_path).entries, clock.t)[p.name]
+    assert s.superseded_factor == 0.02
+
+
+def test_only_continued_entries_are_demoted_and_anchors_keep_their_bonus(tmp_path):
+    clock = Clock()
+    store = make_store(tmp_path, clock=clock)
+    base = toks(3000, 7)
+    cold = store.store(base[:1000], b"C", payload(15000, 1), "cold")
+    clock.t += 60
+    long = store.store(base, b"L", payload(15000, 2), "continued")
+    s = kvstore.eviction_scores(kvstore.scan_dir(tmp_path).entries, clock.t)
+    assert s[cold.name].superseded_by == () and s[cold.name].score == pytest.approx(2 * s[cold.name].base)
+    assert s[long.name].score == s[long.name].base
+
+
+def test_superseder_must_be_newer_same_model_and_intact(tmp_path):
+    clock = Clock()
+    base = toks(3000, 7)
+    store = make_store(tmp_path, clock=clock)
+    older = store.store(base, b"older", payload(15000, 1), "evict")  # extends P but predates it
+    clock.t += 60
+    p = store.store(base[:1000], b"P", payload(15000, 2), "continued")
+    clock.t += 60
+    other = make_store(tmp_path, clock=clock, model_id=OTHER_MODEL)
+    other.store(base[:2000], b"other model", payload(15000, 3), "evict")
+    newer_pv = make_store(tmp_path, clock=clock, payload_version=2)
+    newer_pv.store(base[:2500], b"other payload version", payload(15000, 4), "evict")
+    s = kvstore.eviction_scores(kvstore.scan_dir(tmp_path).entries, clock.t)
+    assert s[p.name].superseded_by == () and s[p.name].score == s[p.name].base
+    # a newer same-model extension whose stored tokens are damaged does not count either
+    good = store.store(base[:1500], b"newer", payload(15000, 5), "evict")
+    s = kvstore.eviction_scores(kvstore.scan_dir(tmp_path).entries, clock.t)
+    assert s[p.name].superseded_by == (good.name,)
+    raw = bytearray(good.path.read_bytes())
+    raw[len(raw) - 68 - 4 * 1500 + 8] ^= 1  # a token in the trailer (only the file crc covers it)
+    good.path.write_bytes(raw)
+    assert kvstore.scan_dir(tmp_path).entries  # still passes the cheap checks
+    s = kvstore.eviction_scores(kvstore.scan_dir(tmp_path).entries, clock.t)
+    assert s[p.name].superseded_by == ()
+
+
+def test_demoted_entry_regains_its_score_when_its_superseder_goes_first(tmp_path):
+    # L is so sparse (1100 tokens in 2 MB: 0.00055) that it goes before P even demoted (0.001);
+    # then P is no longer superseded: back to 0.05, tied with U, and the older U goes first.
+    clock = Clock()
+    store = make_store(tmp_path, clock=clock)
+    base = toks(1100, 7)
+    u = store.store(toks(1000, 8), b"U", payload(20000 - 52 - 1 - 4000 - 68, 8), "continued")
+    clock.t += 60
+    p = store.store(base[:1000], b"P", payload(20000 - 52 - 1 - 4000 - 68, 9), "continued")
+    clock.t += 60
+    long = store.store(base, b"L", payload(2_000_000 - 52 - 1 - 4400 - 68, 10), "continued")
+    order = kvstore.eviction_order(kvstore.scan_dir(tmp_path).entries, clock.t)
+    assert [e.name for e, _ in order] == [long.name, u.name, p.name]
+    assert [s.score for _, s in order] == pytest.approx([1100 / 2_000_000, 1000 / 20000, 1000 / 20000])
+    # while L exists, P is demoted, never deleted for it: under budget nothing goes
+    assert kvstore.evict_to_budget(tmp_path, 10**7, clock.t) == [] and p.path.exists()
+    removed = kvstore.evict_to_budget(tmp_path, 20000, clock.t)
+    assert [r.path.name for r in removed] == [long.name, u.name] and p.path.exists()
+
+
+def test_supersession_reads_only_trailer_tokens_and_only_when_evicting(tmp_path, monkeypatch):
+    clock = Clock()
+    store = make_store(tmp_path, clock=clock)
+    u, p, long = _prefix_family(store, clock)
+    reads = []
+    real_pread = os.pread
+
+    def pread(fd, n, offset):
+        reads.append((n, offset))
+        return real_pread(fd, n, offset)
+
+    monkeypatch.setattr(kvstore.os, "pread", pread)
+    kvstore.eviction_scores(kvstore.scan_dir(tmp_path).entries, clock.t)
+    size = long.file_size
+    assert reads == [(4 * 3000, size - 68 - 4 * 3000)]  # L's stored tokens; nothing of U or P
+    reads.clear()
+    store.store(toks(600, 11), b"fits", payload(100, 11), "continued")  # under budget: no scoring
+    store.evict()
+    assert reads == []
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_budget_is_never_exceeded(tmp_path, monkeypatch, seed):
+def test_budget_is_never_exceeded(tmp_path, monkeypatch, seed, mode):
     rng = random.Random(seed)
     budget = rng.randrange(30_000, 150_000)
     clock = Clock()
     store = make_store(tmp_path, budget_mb=budget / 2**20, clock=clock,
-                       options=KVStoreOptions(min_tokens=1, cold_max_tokens=0))
+                       options=replace(MODES[mode], min_tokens=1, cold_max_tokens=0))
     real_replace = os.replace
     peaks = []
 
@@ -509,7 +692,8 @@ def test_budget_is_never_exceeded(tmp_path, monkeypatch, seed):
         n = rng.randrange(1, 3000)
         size = rng.choice([rng.randrange(1, 2000), rng.randrange(1, budget)])
         text = f"{rng.randrange(40)}-".encode() * rng.randrange(1, 50)  # repeats exercise same-key paths
-        e = store.store(toks(n, i), text, payload(size, i), rng.choice(["cold", "continued", "evict"]))
+        # few token seeds: sequences of one seed are prefixes of each other (superseded entries)
+        e = store.store(toks(n, i % 4), text, payload(size, i), rng.choice(["cold", "continued", "evict"]))
         file_bytes = 52 + len(text) + size + 4 * n + 68
         if e is None:
             assert file_bytes + -(-file_bytes // 100) > budget

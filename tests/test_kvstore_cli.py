@@ -42,7 +42,8 @@ def test_ls_table(cache, capsys):
     d, a, b, _ = cache
     assert main(["kv", "ls", str(d)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["FILE", "TOKENS", "SIZE", "REASON", "HITS", "LAST", "USE", "(UTC)", "TEXT"]
+    assert lines[0].split() == ["FILE", "TOKENS", "SIZE", "REASON", "HITS", "LAST", "USE", "(UTC)", "SCORE",
+                                "TEXT"]
     assert lines[1].startswith(b.name) and lines[2].startswith(a.name)  # most recent use first
     row_b, row_a = lines[1], lines[2]
     assert "2048" in row_b and "continued" in row_b and " 1 " in row_b and "2023-11-14 22:15:20" in row_b
@@ -50,7 +51,10 @@ def test_ls_table(cache, capsys):
     assert "700" in row_a and "cold" in row_a and "2023-11-14 22:13:20" in row_a
     # first and last 40 characters, controls escaped
     assert "<｜User｜>line one\\nline\\ttwo xxxxxxxxx" in row_a and "xxxxx the end\\x07" in row_a
-    assert lines[-1].startswith("2 valid, 0 invalid")
+    assert lines[-2].startswith("2 valid, 0 invalid")
+    # effective scores (b's hit of 2023 has long decayed to nothing): a is a cold anchor, x2
+    assert f" {2 * 700 / a.file_size:.4g}* " in row_a and f" {2048 / b.file_size:.4g} " in row_b
+    assert lines[-1].startswith("* score = ")
 
 
 def test_ls_json_and_invalid_files(cache, capsys):
@@ -67,6 +71,10 @@ def test_ls_json_and_invalid_files(cache, capsys):
     assert ra["text_tail"] == long_text[-40:].replace("\x07", "\\x07")
     assert ra["model_id"] == MODEL.hex() and by_file[b.name]["hits"] == 1
     assert by_file[bad.name]["valid"] is False and "truncated" in by_file[bad.name]["problem"]
+    assert ra["base_score"] == pytest.approx(700 / a.file_size)
+    assert ra["score"] == pytest.approx(2 * 700 / a.file_size) and ra["score_note"] == "anchor x2"
+    assert by_file[b.name]["score"] == pytest.approx(2048 / b.file_size)
+    assert by_file[bad.name]["score"] == 0
     assert main(["kv", "ls", str(d)]) == 0
     assert "INVALID: truncated" in capsys.readouterr().out
 
@@ -111,16 +119,22 @@ def test_inspect_missing_file_is_an_error(tmp_path, capsys):
     assert main(["kv", "ls", str(tmp_path / "nodir")]) == 2
 
 
-def test_prune_to_budget(cache, capsys):
+@pytest.mark.parametrize("ds4_head", [True, False])
+def test_prune_to_budget(cache, capsys, ds4_head):
     d, a, b, _ = cache
-    # a: 700 tokens / ~8 KB, b: 2048 tokens / ~17 KB and 1 hit -> a has the lower score
+    # a: cold, 700 tokens / ~8 KB; b: continued, 2048 tokens / ~17 KB, its 2023 hit long decayed.
+    # ds4 HEAD: a has the lower density and goes; ds4-mlx: a is an anchor (x2), so b goes.
+    assert 700 / a.file_size < 2048 / b.file_size < 2 * 700 / a.file_size
+    victim, kept = (a, b) if ds4_head else (b, a)
+    flag = ["--ds4-head"] if ds4_head else []
     budget_mb = (b.file_size + 100) / 2**20
-    assert main(["kv", "prune", str(d), "--budget-mb", str(budget_mb)]) == 0
+    assert main(["kv", "prune", str(d), "--budget-mb", str(budget_mb), *flag]) == 0
     out = capsys.readouterr().out
-    assert f"removed {a.name} tokens=700" in out and "1 removed, 1 kept" in out
-    assert not a.path.exists() and b.path.exists()
-    assert main(["kv", "prune", str(d), "--budget-mb", "0", "--json"]) == 0
+    assert f"removed {victim.name} tokens={victim.tokens}" in out and "1 removed, 1 kept" in out
+    assert not victim.path.exists() and kept.path.exists()
+    assert main(["kv", "prune", str(d), "--budget-mb", "0", "--json", *flag]) == 0
     rep = json.loads(capsys.readouterr().out)
-    assert [r["file"] for r in rep["removed"]] == [b.name] and rep["total_bytes"] == 0
+    assert [r["file"] for r in rep["removed"]] == [kept.name] and rep["total_bytes"] == 0
+    assert rep["removed"][0]["score_note"] == ("anchor x2" if kept is a and not ds4_head else "")
     assert os.listdir(d) == []
     assert main(["kv", "prune", str(d), "--budget-mb", "-1"]) == 2

@@ -121,3 +121,42 @@ def test_options_validation():
     with pytest.raises(KVStoreError, match="min_tokens"):
         KVStoreOptions(min_tokens=-1)
     KVStoreOptions(min_tokens=600, cold_max_tokens=0)
+
+
+def test_ds4_mlx_eviction_defaults_and_ds4_head_mode():
+    o = pol.DEFAULT_OPTIONS
+    assert (o.anchor_score_factor, o.demote_superseded_continued) == (2.0, True)
+    head = KVStoreOptions.ds4_head()
+    assert (head.anchor_score_factor, head.demote_superseded_continued) == (1.0, False)
+    assert pol.DS4_HEAD_OPTIONS == head
+    # the save-point options are untouched by ds4_head(); overrides pass through
+    assert KVStoreOptions.ds4_head(min_tokens=1, cold_max_tokens=0).min_tokens == 1
+    assert (head.min_tokens, head.boundary_align_tokens) == (o.min_tokens, o.boundary_align_tokens)
+
+
+def test_score_factors():
+    f = pol.score_factors
+    assert f(anchor=False, superseded=False, eff_hits=0) == (1.0, 1.0)
+    assert f(anchor=True, superseded=False, eff_hits=3) == (2.0, 1.0)
+    assert f(anchor=False, superseded=True, eff_hits=0) == (1.0, 0.02)
+    assert f(anchor=False, superseded=True, eff_hits=0.5) == (1.0, 0.25)
+    triple = KVStoreOptions(anchor_score_factor=3)
+    assert f(anchor=True, superseded=False, eff_hits=0, opts=triple) == (3, 1.0)
+    head = KVStoreOptions.ds4_head()
+    for anchor, superseded, hits in [(True, False, 0), (False, True, 0), (False, True, 2)]:
+        assert f(anchor=anchor, superseded=superseded, eff_hits=hits, opts=head) == (1.0, 1.0)
+    # a fresh anchor outranks a fresh continued entry of the same shape until that one has a hit
+    density = 1000 / 20000
+    anchor = pol.eviction_score(1000, 0, 20000, 10, 0, 10) * f(anchor=True, superseded=False, eff_hits=0)[0]
+    assert anchor == 2 * density
+    assert pol.eviction_score(1000, 0, 20000, 10, 0, 10) < anchor
+    assert pol.eviction_score(1000, 1, 20000, 10, 0, 10) == anchor
+
+
+@pytest.mark.parametrize("kw", [{"anchor_score_factor": 0}, {"anchor_score_factor": -1.0},
+                                {"anchor_score_factor": float("inf")}, {"anchor_score_factor": float("nan")},
+                                {"anchor_score_factor": True}, {"anchor_score_factor": "2"},
+                                {"demote_superseded_continued": 1}])
+def test_eviction_option_validation(kw):
+    with pytest.raises(KVStoreError, match=next(iter(kw))):
+        KVStoreOptions(**kw)

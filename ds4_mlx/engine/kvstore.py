@@ -85,11 +85,17 @@ Atomic writes: the file is written as ``<name>.kv.tmp.<pid>`` in the same direct
 renamed over ``<name>.kv`` and the directory fsynced. A killed writer leaves only a temp file,
 which is never listed, and which the next ``KVStore`` open removes once its process is gone. Room
 is made *before* writing (evicting by score; ds4 evicts right after the rename, protecting the new
-file, which picks the same victims), so the directory never holds more than the budget, temp file
-included. A same-name file is replaced by the rename too, so a crash leaves the old file or the
-new one; only when the budget cannot hold both for the length of the write is an incompatible or
-damaged same-name file removed first (ds4 always removes it first), while a compatible one is
-then kept as is.
+file, which picks the same victims: the file about to be written already counts as the newest
+entry when deciding which continued checkpoints it supersedes), so the directory never holds more
+than the budget, temp file included. A same-name file is replaced by the rename too, so a crash
+leaves the old file or the new one; only when the budget cannot hold both for the length of the
+write is an incompatible or damaged same-name file removed first (ds4 always removes it first),
+while a compatible one is then kept as is.
+
+Eviction scores are ds4's times ds4-mlx's anchor and superseded-continued factors (see
+``kvstore_policy``); ``KVStoreOptions.ds4_head()`` gives ds4 HEAD's order exactly. Deciding
+supersession reads the stored tokens (trailer only, ``4 * tokens`` bytes) of entries that could
+extend a continued one, and only when something has to be evicted.
 
 Rejections. A file that fails a check is logged (logger ``ds4_mlx.kvstore``: warning when damaged,
 info when merely incompatible), never loaded and never deleted for that reason alone, matching
@@ -107,7 +113,9 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import heapq
 import logging
+import math
 import os
 import re
 import struct
@@ -115,7 +123,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import IntEnum
 from pathlib import Path
 
@@ -126,9 +134,11 @@ from ds4_mlx.engine.kvstore_policy import (
     DEFAULT_OPTIONS,
     KVStoreOptions,
     budget_bytes,
+    effective_hits,
     eviction_score,
     fits_budget,
     required_bytes,
+    score_factors,
 )
 from ds4_mlx.errors import KVStoreError
 
@@ -683,37 +693,191 @@ def clean_stale_temps(directory: str | os.PathLike, now: float | None = None) ->
     return removed
 
 
+# The issue's (and ds4 branch f6bd3ee's) set; ds4's agent-system / agent-session saves come from
+# its separate agent tool and are left at x1 until there is a reason to rank them.
+ANCHOR_REASONS = frozenset({SaveReason.COLD, SaveReason.EVICT, SaveReason.SHUTDOWN})
+
+
 @dataclass(frozen=True)
 class Evicted:
     path: Path
     file_size: int
     tokens: int  # 0 for an invalid file
     hits: int
-    score: float
+    score: float  # the effective score it was chosen by
     why: str  # "disk-cache-full" or "invalid: <reason>"
+    note: str = ""  # the score's factors, e.g. "superseded x0.02 by <name>" (EvictionScore.note)
 
 
-def _score(item: Entry | InvalidFile, now: float) -> float:
+@dataclass(frozen=True)
+class PendingCheckpoint:
+    """The file ``store`` is about to write. Room is made before it exists, but it may already
+    supersede stored continued checkpoints (ds4 evicts after the rename, with the new file listed)."""
+
+    name: str
+    token_bytes: bytes
+    model_id: bytes
+    payload_version: int
+    created_at: int  # as its header will say (now, or the replaced file's when rewritten)
+
+
+@dataclass(frozen=True)
+class EvictionScore:
+    """An item's eviction value: ``score = base * anchor_factor * superseded_factor``."""
+
+    score: float  # what eviction compares, lowest first (inf for the protected file)
+    base: float  # ds4 HEAD's (effective hits + 1) * tokens / bytes; 0 for an invalid file
+    anchor_factor: float = 1.0
+    superseded_factor: float = 1.0
+    superseded_by: tuple[str, ...] = ()  # newer entries whose tokens strictly extend this one
+    protected: bool = False
+
+    @property
+    def note(self) -> str:
+        parts = []
+        if self.protected:
+            parts.append("protected")
+        if self.anchor_factor != 1.0:
+            parts.append(f"anchor x{self.anchor_factor:g}")
+        if self.superseded_factor != 1.0:
+            more = f" (+{len(self.superseded_by) - 1})" if len(self.superseded_by) > 1 else ""
+            parts.append(f"superseded x{self.superseded_factor:g} by {self.superseded_by[0]}{more}")
+        return ", ".join(parts)
+
+
+def read_trailer_tokens(entry: Entry) -> bytes | None:
+    """The entry's token ids as stored in its trailer (u32 LE), or None when unreadable, changed
+    since it was listed, or not matching its token key. Reads ``4 * tokens`` bytes, never the
+    text or payload (120 KB for a 30k-token checkpoint of several GB)."""
+    n = 4 * entry.tokens
+    try:
+        fd = os.open(entry.path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if st.st_size != entry.file_size:
+            return None
+        data = os.pread(fd, n, entry.file_size - TAIL_BYTES - n)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if len(data) != n or hashlib.sha1(data).hexdigest() != entry.token_key:
+        return None  # damaged: a file we cannot trust must not demote another
+    return data
+
+
+def superseded_continued(entries: Sequence[Entry],
+                         pending: PendingCheckpoint | None = None) -> dict[str, tuple[str, ...]]:
+    """Continued entries whose tokens are a strict prefix of a newer entry's, by file name, with
+    the names of those newer entries.
+
+    Newer means created at the same second or later (timestamps are whole seconds, and within one
+    session a prefix is always saved before its extension); ``pending`` counts as listed. Only an
+    entry of the same model id and payload version can stand in for the prefix. Trailer tokens
+    are read only for entries that could extend some continued entry, each once, and each one's
+    candidate prefixes are hashed incrementally in one pass over its tokens.
+    """
+    conts = [e for e in entries if e.reason == SaveReason.CONTINUED]
+    if not conts:
+        return {}
+    newer: list[tuple[str, int, float, bytes, int, Callable[[], bytes | None]]] = [
+        (e.name, e.tokens, float(e.created_at), e.model_id, e.payload_version,
+         (lambda e=e: read_trailer_tokens(e))) for e in entries]
+    if pending is not None:
+        newer.append((pending.name, len(pending.token_bytes) // 4, float(pending.created_at),
+                      pending.model_id, pending.payload_version, lambda: pending.token_bytes))
+    found: dict[str, list[str]] = {}
+    for name, n_tokens, created, model_id, payload_version, read in newer:
+        cands = sorted((p for p in conts if p.name != name and p.tokens < n_tokens
+                        and p.created_at <= created and p.model_id == model_id
+                        and p.payload_version == payload_version), key=lambda p: p.tokens)
+        if not cands:
+            continue
+        data = read()
+        if data is None:
+            continue
+        view = memoryview(data)
+        h, pos = hashlib.sha1(), 0
+        for p in cands:
+            end = 4 * p.tokens
+            h.update(view[pos:end])
+            pos = end
+            if h.hexdigest() == p.token_key:
+                found.setdefault(p.name, []).append(name)
+    return {k: tuple(sorted(v)) for k, v in found.items()}
+
+
+def _score(item: Entry | InvalidFile, now: float, options: KVStoreOptions = DEFAULT_OPTIONS,
+           superseded_by: Sequence[str] = ()) -> EvictionScore:
     if isinstance(item, InvalidFile):
-        return 0.0  # unloadable: worth nothing
-    return eviction_score(item.tokens, item.hits, item.file_size, item.last_used, item.created_at, now)
+        return EvictionScore(0.0, 0.0)  # unloadable: worth nothing
+    base = eviction_score(item.tokens, item.hits, item.file_size, item.last_used, item.created_at, now)
+    eff = effective_hits(item.hits, item.last_used, item.created_at, now)
+    superseded = bool(superseded_by) and item.reason == SaveReason.CONTINUED
+    anchor_f, superseded_f = score_factors(anchor=item.reason in ANCHOR_REASONS, superseded=superseded,
+                                           eff_hits=eff, opts=options)
+    return EvictionScore(base * anchor_f * superseded_f, base, anchor_f, superseded_f,
+                         tuple(superseded_by) if superseded_f != 1.0 else ())
 
 
-def eviction_order(items: Sequence[Entry | InvalidFile], now: float,
-                   protect: str | None = None) -> list[tuple[Entry | InvalidFile, float]]:
-    """Items in the order ds4 evicts them: score, then older last use, then name; ``protect``
-    (a file name) last. Scores do not change during one pass, so sorting once equals ds4's
-    repeated minimum search."""
-    scored = []
-    for item in items:
-        score = float("inf") if protect and item.path.name == protect else _score(item, now)
-        last_used = item.last_used if isinstance(item, Entry) else 0
-        scored.append((score, last_used, item.path.name, item))
-    scored.sort(key=lambda s: s[:3])
-    return [(s[3], s[0]) for s in scored]
+def eviction_scores(items: Sequence[Entry | InvalidFile], now: float,
+                    options: KVStoreOptions = DEFAULT_OPTIONS) -> dict[str, EvictionScore]:
+    """Every item's current eviction score, by file name (what ``kv ls`` shows)."""
+    entries = [x for x in items if isinstance(x, Entry)]
+    sup = superseded_continued(entries) if options.demote_superseded_continued else {}
+    return {x.path.name: _score(x, now, options, sup.get(x.path.name, ())) for x in items}
 
 
-def _unlink_victim(item: Entry | InvalidFile, score: float) -> Evicted | None:
+def eviction_order(items: Sequence[Entry | InvalidFile], now: float, protect: str | None = None, *,
+                   options: KVStoreOptions = DEFAULT_OPTIONS, pending: PendingCheckpoint | None = None,
+                   ) -> list[tuple[Entry | InvalidFile, EvictionScore]]:
+    """Items in the order they are evicted: score, then older last use, then name; ``protect``
+    (a file name) last.
+
+    Equal to ds4's repeated minimum search: a score only changes when an entry's last superseder
+    goes, which restores its full score, so that entry is re-queued with its new key.
+    """
+    entries = [x for x in items if isinstance(x, Entry)]
+    sup = superseded_continued(entries, pending) if options.demote_superseded_continued else {}
+    remaining = {p: set(qs) for p, qs in sup.items()}
+    extends: dict[str, list[str]] = {}
+    for p, qs in sup.items():
+        for q in qs:
+            extends.setdefault(q, []).append(p)
+    by_name = {x.path.name: x for x in items}
+    current: dict[str, tuple[int, EvictionScore]] = {}  # name -> (version, score)
+    heap: list[tuple[float, int, str, int]] = []
+
+    def push(name: str) -> None:
+        item = by_name[name]
+        s = _score(item, now, options, sorted(remaining.get(name, ())))
+        if protect and name == protect:
+            s = replace(s, score=math.inf, protected=True)
+        version = current[name][0] + 1 if name in current else 0
+        current[name] = (version, s)
+        heapq.heappush(heap, (s.score, item.last_used if isinstance(item, Entry) else 0, name, version))
+
+    for name in by_name:
+        push(name)
+    order: list[tuple[Entry | InvalidFile, EvictionScore]] = []
+    done: set[str] = set()
+    while heap:
+        _, _, name, version = heapq.heappop(heap)
+        if name in done or version != current[name][0]:
+            continue  # the old key of a re-queued entry
+        done.add(name)
+        order.append((by_name[name], current[name][1]))
+        for p in extends.get(name, ()):
+            left = remaining[p]
+            left.discard(name)
+            if not left and p not in done:
+                push(p)
+    return order
+
+
+def _unlink_victim(item: Entry | InvalidFile, score: EvictionScore) -> Evicted | None:
     try:
         item.path.unlink()
     except FileNotFoundError:
@@ -722,29 +886,35 @@ def _unlink_victim(item: Entry | InvalidFile, score: float) -> Evicted | None:
         logger.warning("kv cache: cannot evict %s: %s", item.path, exc.strerror)
         return None
     if isinstance(item, InvalidFile):
-        ev = Evicted(item.path, item.file_size, 0, 0, score, f"invalid: {item.reason}")
+        ev = Evicted(item.path, item.file_size, 0, 0, score.score, f"invalid: {item.reason}", score.note)
     else:
-        ev = Evicted(item.path, item.file_size, item.tokens, item.hits, score, "disk-cache-full")
-    logger.info("kv cache evicted reason=%s tokens=%d hits=%d size=%.2f MiB score=%.6g file=%s",
-                ev.why, ev.tokens, ev.hits, ev.file_size / 2**20, score, ev.path)
+        ev = Evicted(item.path, item.file_size, item.tokens, item.hits, score.score, "disk-cache-full",
+                     score.note)
+    logger.info("kv cache evicted reason=%s tokens=%d hits=%d size=%.2f MiB score=%.6g%s file=%s",
+                ev.why, ev.tokens, ev.hits, ev.file_size / 2**20, ev.score,
+                f" ({ev.note})" if ev.note else "", ev.path)
     return ev
 
 
 def evict_to_budget(directory: str | os.PathLike, budget: int, now: float | None = None, *,
-                    protect: str | None = None, extra_bytes: int = 0) -> list[Evicted]:
+                    protect: str | None = None, extra_bytes: int = 0,
+                    options: KVStoreOptions = DEFAULT_OPTIONS) -> list[Evicted]:
     """Delete files by ``eviction_order`` until all ``.kv`` files plus ``extra_bytes`` fit ``budget``.
 
     ``protect`` (a file name) is never chosen unless it alone exceeds the budget (ds4's rule).
-    Returns what was removed.
+    ``options`` selects the scoring (``KVStoreOptions.ds4_head()``: ds4 HEAD's). Returns what was
+    removed.
     """
     now = time.time() if now is None else now
     scan = scan_dir(directory)
     total = scan.total_bytes + extra_bytes
+    if total <= budget:
+        return []  # no scoring, so no trailer reads, when nothing has to go
     protected = scan.by_name(protect) if protect else None
     if protected is not None and protected.file_size > budget:
         protect = None
     removed = []
-    for item, score in eviction_order([*scan.entries, *scan.invalid], now, protect):
+    for item, score in eviction_order([*scan.entries, *scan.invalid], now, protect, options=options):
         if total <= budget:
             break
         if protect and item.path.name == protect:
@@ -827,12 +997,13 @@ class KVStore:
             raise KVStoreError(f"{self.directory}: cannot create the KV cache directory: "
                                f"{exc.strerror or exc}") from None
         clean_stale_temps(self.directory, self._clock())
-        evict_to_budget(self.directory, self.budget, self._clock())
+        evict_to_budget(self.directory, self.budget, self._clock(), options=options)
         logger.info("kv cache %s budget=%.2f MiB quant=%d ctx=%d cross-quant=%s min=%d cold_max=%d "
-                    "continued=%d trim=%d align=%d", self.directory, self.budget / 2**20, quant_bits,
-                    ctx, "accept" if accept_other_quant else "reject", options.min_tokens,
-                    options.cold_max_tokens, options.continued_interval_tokens,
-                    options.boundary_trim_tokens, options.boundary_align_tokens)
+                    "continued=%d trim=%d align=%d anchor=x%g demote-superseded=%s", self.directory,
+                    self.budget / 2**20, quant_bits, ctx, "accept" if accept_other_quant else "reject",
+                    options.min_tokens, options.cold_max_tokens, options.continued_interval_tokens,
+                    options.boundary_trim_tokens, options.boundary_align_tokens,
+                    options.anchor_score_factor, "on" if options.demote_superseded_continued else "off")
 
     key_for_text = staticmethod(key_for_text)
     key_for_tokens = staticmethod(key_for_tokens)
@@ -1062,11 +1233,14 @@ class KVStore:
                     self._remove(same.path, f"to make room for its replacement ({same_why})")
                     same_bytes = 0
             excess = sum(x.file_size for x in others) + same_bytes + file_bytes - self.budget
-            for item, score in eviction_order(others, self._clock()):
-                if excess <= 0:
-                    break
-                if _unlink_victim(item, score) is not None:
-                    excess -= item.file_size
+            if excess > 0:  # scoring reads trailers; skip it when nothing has to go
+                pending = PendingCheckpoint(name, token_bytes, self.model_id, self.payload_version, created)
+                for item, score in eviction_order(others, self._clock(), options=self.options,
+                                                  pending=pending):
+                    if excess <= 0:
+                        break
+                    if _unlink_victim(item, score) is not None:
+                        excess -= item.file_size
             if excess > 0:
                 raise KVStoreError(f"{self.directory}: cannot make room for a {file_bytes}-byte "
                                    f"checkpoint within the {self.budget}-byte budget")
@@ -1130,4 +1304,5 @@ class KVStore:
     def evict(self, protect: str | None = None) -> list[Evicted]:
         """Evict down to the budget now (ds4 does this on open and after each store)."""
         with self._lock:
-            return evict_to_budget(self.directory, self.budget, self._clock(), protect=protect)
+            return evict_to_budget(self.directory, self.budget, self._clock(), protect=protect,
+                                   options=self.options)

@@ -1,12 +1,16 @@
 """`ds4-mlx kv ls DIR | inspect FILE | prune DIR --budget-mb MB`: look after a disk KV cache.
 
 ``ls``       one row per ``<sha1>.kv`` file, most recently used first: tokens, size, save reason,
-             hits, last use (UTC) and the first / last 40 characters of the key text (escaped).
+             hits, last use (UTC), eviction score (the effective one, lowest goes first; its
+             factors in the JSON) and the first / last 40 characters of the key text (escaped).
              Only headers and trailers are checked (cheap); damaged files are listed as INVALID.
 ``inspect``  every header and trailer field of one file and a full verdict: the whole file is read
              and its checksums verified. Exit status 1 when the file is not valid.
 ``prune``    delete files in ds4's eviction order (damaged first, then lowest score) until the
              directory fits the budget (MiB; 0 empties it), and remove dead writers' temp files.
+
+Scores are ds4-mlx's (cold / evict / shutdown x2, continued prefixes of a newer entry demoted);
+``--ds4-head`` uses ds4 HEAD's plain score instead.
 
 ``--json`` prints the same information as JSON.
 """
@@ -36,12 +40,13 @@ from ds4_mlx.engine.kvstore import (
     SaveReason,
     clean_stale_temps,
     evict_to_budget,
+    eviction_scores,
     key_kind_of,
     read_contents,
     read_entry,
     scan_dir,
 )
-from ds4_mlx.engine.kvstore_policy import MIB
+from ds4_mlx.engine.kvstore_policy import DEFAULT_OPTIONS, MIB, KVStoreOptions
 from ds4_mlx.errors import KVStoreError
 
 PREVIEW_CHARS = 40
@@ -56,6 +61,7 @@ def register(subparsers) -> None:
     ls = sub.add_parser("ls", help="list the checkpoints of a KV cache directory")
     ls.add_argument("dir", help="KV cache directory")
     ls.add_argument("--json", action="store_true", help="print a JSON list")
+    ls.add_argument("--ds4-head", action="store_true", help="show ds4 HEAD's eviction score")
     ins = sub.add_parser("inspect", help="show every field of one .kv file and verify it")
     ins.add_argument("file", help=".kv file")
     ins.add_argument("--json", action="store_true", help="print a JSON object")
@@ -63,6 +69,7 @@ def register(subparsers) -> None:
     pr.add_argument("dir", help="KV cache directory")
     pr.add_argument("--budget-mb", type=float, required=True, help="budget in MiB (0 removes all)")
     pr.add_argument("--json", action="store_true", help="print a JSON object")
+    pr.add_argument("--ds4-head", action="store_true", help="evict in ds4 HEAD's order")
     p.set_defaults(func=run)
 
 
@@ -125,6 +132,10 @@ def utc(ts: int) -> str:
         return f"@{ts}"
 
 
+def scoring_options(args: argparse.Namespace) -> KVStoreOptions:
+    return KVStoreOptions.ds4_head() if args.ds4_head else DEFAULT_OPTIONS
+
+
 def ext_names(flags: int) -> list[str]:
     names = [name for bit, name in _EXT_NAMES if flags & bit]
     unknown = flags & ~sum(bit for bit, _ in _EXT_NAMES)
@@ -151,6 +162,7 @@ def run_ls(args: argparse.Namespace) -> int:
     if not directory.is_dir():
         raise KVStoreError(f"{directory}: not a directory")
     scan = scan_dir(directory)
+    scores = eviction_scores([*scan.entries, *scan.invalid], time.time(), scoring_options(args))
     rows = []
     for e in sorted(scan.entries, key=lambda e: (-e.last_used, e.name)):
         try:
@@ -161,25 +173,33 @@ def run_ls(args: argparse.Namespace) -> int:
     for bad in scan.invalid:
         rows.append({"file": bad.path.name, "path": str(bad.path), "valid": False,
                      "problem": bad.reason, "size": bad.file_size})
+    for r in rows:
+        s = scores[r["file"]]
+        r.update(score=s.score, base_score=s.base, score_note=s.note,
+                 superseded_by=list(s.superseded_by))
     if args.json:
         print(json.dumps(rows, indent=2, ensure_ascii=False))
         return 0
-    table = [("FILE", "TOKENS", "SIZE", "REASON", "HITS", "LAST USE (UTC)", "TEXT")]
+    table = [("FILE", "TOKENS", "SIZE", "REASON", "HITS", "LAST USE (UTC)", "SCORE", "TEXT")]
     for r in rows:
+        score = f"{r['score']:.4g}" + ("*" if r["score_note"] else "")
         if r["valid"]:
             text = r["text_head"] + (f" … {r['text_tail']}" if r["text_tail"] else "")
             table.append((r["file"], str(r["tokens"]), human_size(r["size"]), r["reason"],
-                          str(r["hits"]), r["last_used_utc"], text))
+                          str(r["hits"]), r["last_used_utc"], score, text))
         else:
-            table.append((r["file"], "-", human_size(r["size"]), "-", "-", "-",
+            table.append((r["file"], "-", human_size(r["size"]), "-", "-", "-", score,
                           f"INVALID: {r['problem']}"))
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
-    right = {1, 2, 4}
+    right = {1, 2, 4, 6}
     for row in table:
         cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
         print("  ".join(cells + [row[-1]]))
     total = scan.total_bytes
     print(f"{len(scan.entries)} valid, {len(scan.invalid)} invalid, {human_size(total)} in total")
+    if any(r["score_note"] for r in rows):
+        print("* score = ds4's score times an anchor bonus or a superseded-prefix demotion "
+              "(--json: base_score, score_note)")
     return 0
 
 
@@ -298,14 +318,15 @@ def run_prune(args: argparse.Namespace) -> int:
     budget = int(args.budget_mb * MIB)
     now = time.time()
     temps = clean_stale_temps(directory, now)
-    removed = evict_to_budget(directory, budget, now)
+    removed = evict_to_budget(directory, budget, now, options=scoring_options(args))
     scan = scan_dir(directory)
     kept = len(scan.entries) + len(scan.invalid)
     if args.json:
         print(json.dumps({
             "budget_bytes": budget, "total_bytes": scan.total_bytes, "kept_files": kept,
             "removed": [{"file": ev.path.name, "size": ev.file_size, "tokens": ev.tokens,
-                         "hits": ev.hits, "score": ev.score, "why": ev.why} for ev in removed],
+                         "hits": ev.hits, "score": ev.score, "score_note": ev.note, "why": ev.why}
+                        for ev in removed],
             "temps_removed": [os.fspath(p.name) for p in temps],
         }, indent=2))
         return 0
@@ -313,7 +334,7 @@ def run_prune(args: argparse.Namespace) -> int:
         print(f"removed temp {p.name}")
     for ev in removed:
         print(f"removed {ev.path.name} tokens={ev.tokens} size={human_size(ev.file_size)} "
-              f"hits={ev.hits} score={ev.score:.6g} ({ev.why})")
+              f"hits={ev.hits} score={ev.score:.6g}{f' [{ev.note}]' if ev.note else ''} ({ev.why})")
     print(f"{len(removed)} removed, {kept} kept, {human_size(scan.total_bytes)} "
           f"<= budget {human_size(budget)}" if scan.total_bytes <= budget else
           f"{len(removed)} removed, {kept} kept, {human_size(scan.total_bytes)} still over budget "
