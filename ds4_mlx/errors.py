@@ -45,3 +45,8 @@ class ChatError(Ds4Error):
 class KVStoreError(Ds4Error):
     """A disk KV cache file or directory is unusable (corrupt, incompatible, unwritable) or a store
     request is malformed (bad reason, tokens, model id)."""
+
+
+class InferenceError(Ds4Error):
+    """Input that does not fit the model at inference time: a token id outside the vocabulary, a
+    context overflow, a serialized state with missing arrays or wrong shapes."""

@@ -21,16 +21,12 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from ds4_mlx.errors import Ds4Error
+from ds4_mlx.errors import InferenceError  # noqa: F401
 from ds4_mlx.formats.config import ModelConfig
 from ds4_mlx.model.numerics import EMPTY_SCORE
 
 
-class InferenceError(Ds4Error):
-    """Input that does not fit the model at inference time: a token id outside the vocabulary, a
-    context overflow, a serialized state with missing arrays or wrong shapes."""
-
-
+# InferenceError lives with the other error types; imported here for existing callers.
 @dataclass
 class CompressorState:
     rows: mx.array  # [n_rows, dim]
