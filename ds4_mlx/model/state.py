@@ -21,12 +21,11 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from ds4_mlx.errors import InferenceError  # noqa: F401
+from ds4_mlx.errors import InferenceError  # noqa: F401  (re-exported for existing callers)
 from ds4_mlx.formats.config import ModelConfig
 from ds4_mlx.model.numerics import EMPTY_SCORE
 
 
-# InferenceError lives with the other error types; imported here for existing callers.
 @dataclass
 class CompressorState:
     rows: mx.array  # [n_rows, dim]
