@@ -50,3 +50,8 @@ class KVStoreError(Ds4Error):
 class InferenceError(Ds4Error):
     """Input that does not fit the model at inference time: a token id outside the vocabulary, a
     context overflow, a serialized state with missing arrays or wrong shapes."""
+
+
+class PayloadError(Ds4Error):
+    """A session payload that cannot be loaded here: damaged, truncated, or made for another
+    model, a larger context or another prefill chunk."""

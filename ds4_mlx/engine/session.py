@@ -1,0 +1,347 @@
+"""The engine's inference session: a token history and the model state that continues it exactly.
+
+``sync(tokens)`` brings the live state to exactly that prefix (ds4_session_sync, with snapshots):
+
+* the live tokens are a prefix of the target: only the suffix is computed. A suffix shorter than
+  ``resume_prefill_min`` tokens is decoded token by token, a longer one is prefilled in chunks whose
+  ends fall on absolute multiples of ``chunk`` (as a cold prefill of the whole would), so resuming
+  from a chunk-aligned length executes exactly the chunks a cold prefill executes from there;
+* the target diverges inside the live tokens (or is shorter): compressed state cannot be rewound
+  in place (a compressed row or a compressor frontier mixes tokens on both sides of any cut), so
+  the session restores the longest snapshot whose tokens are a prefix of the target and computes
+  the rest from it, or, with none, rebuilds from token 0. ``allow_rebuild=False`` raises
+  ``RebuildNeeded`` instead of rebuilding (ds4's REBUILD_NEEDED; a server can then try its disk
+  cache first).
+
+Snapshots. ``snapshot()`` is O(1) (the state's arrays are immutable and shared); it holds that
+state's memory alive: the raw windows and frontiers plus the compressed rows so far (spec §9.2,
+≈ 13.8 KB per token on the real model). The session keeps two pools it searches on divergence:
+the last ``auto_checkpoints`` states at chunk boundaries (free to take: prefill reaches them
+anyway, and restoring one then prefilling is bit-identical to a cold prefill), and up to
+``kept_checkpoints`` snapshots taken with ``snapshot(keep=True)`` (e.g. the end of a prompt, before
+generation, so that a rewrite of the generated tail restores it instead of rebuilding).
+
+``rewind(pos)`` costs one restore plus the prefill of ``pos - s`` tokens, s the longest kept or
+automatic snapshot at or before ``pos`` on this history (0: a full re-prefill of ``pos`` tokens).
+
+Crossover. ``resume_prefill_min`` = 2 is measured on this machine's MLX CPU backend with the
+oracle's tiny model (``benchmarks/bench_session_restore.py --crossover``): one chunk of m tokens
+costs less than m one-token steps from m = 2 on, in both numerics modes (ds4 measured 4 on
+Metal; ``DS4_MLX_RESUME_PREFILL_MIN`` overrides the default, like ds4's
+``DS4_METAL_RESUME_PREFILL_MIN``). A one-token step *is* a one-token chunk here, so below the
+crossover the two paths are the same computation; the value matters for speed only.
+
+Equality. Restoring a snapshot or a payload gives the saved arrays bit for bit, so a restored
+session continues exactly as the one that never stopped. Against a *cold* prefill: in the
+``ds4-cpu`` numerics every chunking gives identical bits; in the ``default`` numerics a resume is
+bit-identical when it starts at a chunk-aligned length, and otherwise differs from cold by the
+rounding of differently shaped BLAS matmuls, amplified a little by FP8 rounding flips (tiny model,
+300 tokens: logit rms 3e-4 .. 9e-4 against logits of std 1, max up to 0.04 seen; the oracle
+README measures rms 0.03 between two builds of ds4 itself). ds4 makes the same trade on Metal and therefore saves disk
+checkpoints only at chunk-aligned lengths; ``kvstore_policy`` keeps that rule.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import BinaryIO
+
+import mlx.core as mx
+import numpy as np
+
+from ds4_mlx.engine import payload as payload_format
+from ds4_mlx.engine.payload import PayloadError
+from ds4_mlx.engine.sampling import SamplingParams, TokenScore, XorShiftRng, argmax, sample, token_logprob, top_logprobs
+from ds4_mlx.errors import InferenceError
+from ds4_mlx.model.state import ModelState
+
+DEFAULT_CHUNK = 2048
+RESUME_PREFILL_MIN = 2
+
+
+class RebuildNeeded(InferenceError):
+    """``sync(..., allow_rebuild=False)``: neither the live state nor a snapshot covers the target
+    far enough to avoid recomputing it from token 0. The session is unchanged."""
+
+
+@dataclass(frozen=True, eq=False)
+class Snapshot:
+    """A restorable session state: the token history, the model state after it, the logits."""
+
+    tokens: tuple[int, ...]
+    state: ModelState
+    logits: mx.array | None
+
+    @property
+    def pos(self) -> int:
+        return len(self.tokens)
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.state.arrays()) + (0 if self.logits is None else self.logits.nbytes)
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    """What a ``sync`` / ``rewind`` did. ``reused``: tokens whose state was taken as is (from the
+    live session or a snapshot); ``computed``: tokens run through the model; ``source``: "live",
+    "snapshot" or "cold"; ``path``: "none", "decode" or "prefill"."""
+
+    reused: int
+    computed: int
+    source: str
+    path: str
+
+
+class Session:
+    def __init__(self, model, ctx: int, *, chunk: int = DEFAULT_CHUNK, model_id: bytes | None = None,
+                 resume_prefill_min: int | None = None, auto_checkpoints: int = 2,
+                 kept_checkpoints: int = 4):
+        if resume_prefill_min is None:
+            env = os.environ.get("DS4_MLX_RESUME_PREFILL_MIN", "")
+            try:
+                resume_prefill_min = int(env) if env else RESUME_PREFILL_MIN
+            except ValueError:
+                raise InferenceError(f"DS4_MLX_RESUME_PREFILL_MIN={env!r} is not an integer") from None
+        if resume_prefill_min < 1:
+            raise InferenceError(f"resume_prefill_min must be >= 1, got {resume_prefill_min}")
+        if auto_checkpoints < 0 or kept_checkpoints < 0:
+            raise InferenceError("checkpoint pool sizes must be >= 0")
+        self.model = model
+        self.config = model.config
+        self._rt = model.new_session(ctx=ctx, chunk=chunk)
+        self._model_id = model_id
+        self.resume_prefill_min = resume_prefill_min
+        self.auto_checkpoints = auto_checkpoints
+        self.kept_checkpoints = kept_checkpoints
+        self._auto: list[Snapshot] = []
+        self._kept: list[Snapshot] = []  # most recently used last
+
+    # -- identity and position -----------------------------------------------------------------------
+
+    @property
+    def ctx(self) -> int:
+        return self._rt.ctx
+
+    @property
+    def chunk(self) -> int:
+        return self._rt.chunk
+
+    @property
+    def pos(self) -> int:
+        return self._rt.n_tokens
+
+    @property
+    def tokens(self) -> list[int]:
+        return list(self._rt.tokens)
+
+    @property
+    def model_id(self) -> bytes:
+        if self._model_id is None:
+            src = getattr(self.model, "source", None)
+            if src is None:
+                raise PayloadError("the model has no GGUF source to identify it; pass model_id")
+            self._model_id = payload_format.model_fingerprint(src)
+        return self._model_id
+
+    def common_prefix(self, tokens: Sequence[int]) -> int:
+        """Length of the longest common prefix of the live tokens and ``tokens``."""
+        live = self._rt.tokens
+        n = min(len(live), len(tokens))
+        i = 0
+        while i < n and live[i] == tokens[i]:
+            i += 1
+        return i
+
+    # -- moving the state ----------------------------------------------------------------------------
+
+    def sync(self, tokens: Sequence[int], *, allow_rebuild: bool = True) -> SyncStats:
+        """Bring the live state to exactly ``tokens`` (0 < len < ctx); see the module docstring."""
+        target = self._check_tokens(tokens)
+        if not target:
+            raise InferenceError("sync needs at least one token")
+        if len(target) >= self.ctx:
+            raise InferenceError(f"prompt of {len(target)} tokens does not fit ctx {self.ctx} "
+                                 f"(at most {self.ctx - 1})")
+        return self._goto(target, allow_rebuild)
+
+    def append(self, tokens: Sequence[int]) -> SyncStats:
+        """Extend the live history by ``tokens`` (decode or aligned prefill, as in ``sync``)."""
+        suffix = self._check_tokens(tokens)
+        if self.pos + len(suffix) > self.ctx:
+            raise InferenceError(f"context overflow: {self.pos} + {len(suffix)} tokens > ctx {self.ctx}")
+        path = self._extend(suffix)
+        return SyncStats(self.pos - len(suffix), len(suffix), "live", path)
+
+    def eval(self, token: int) -> None:
+        """One decode step: feed ``token`` at position ``pos``."""
+        self.append([token])
+
+    def rewind(self, pos: int, *, allow_rebuild: bool = True) -> SyncStats:
+        """Go back to the exact state after the first ``pos`` live tokens (see the module docstring
+        for the cost). ``pos == 0`` empties the session."""
+        if not 0 <= pos <= self.pos:
+            raise InferenceError(f"cannot rewind to {pos}: the session holds {self.pos} tokens")
+        if pos == self.pos:
+            return SyncStats(pos, 0, "live", "none")
+        if pos == 0:
+            self.reset()
+            return SyncStats(0, 0, "cold", "none")
+        return self._goto(self.tokens[:pos], allow_rebuild)
+
+    def reset(self) -> None:
+        """Empty the live state (snapshot pools are kept)."""
+        self._rt.restore((ModelState.empty(self.config), [], None))
+
+    def _goto(self, target: list[int], allow_rebuild: bool) -> SyncStats:
+        common = self.common_prefix(target)
+        if common == self.pos:
+            path = self._extend(target[common:])
+            return SyncStats(common, len(target) - common, "live" if common else "cold", path)
+        snap = self._best_snapshot(target)
+        if snap is None and not allow_rebuild:
+            raise RebuildNeeded(f"rewriting behind the live end needs a rebuild: common={common} "
+                                f"live={self.pos} target={len(target)}, no snapshot covers it")
+        if snap is not None:
+            self._set(snap)
+            source, reused = "snapshot", snap.pos
+        else:
+            self.reset()
+            source, reused = "cold", 0
+        path = self._extend(target[reused:])
+        return SyncStats(reused, len(target) - reused, source, path)
+
+    def _extend(self, suffix: list[int]) -> str:
+        if not suffix:
+            return "none"
+        if len(suffix) < self.resume_prefill_min:
+            for t in suffix:
+                self._feed([t])
+            return "decode"
+        i = 0
+        while i < len(suffix):
+            take = min(len(suffix) - i, self.chunk - self.pos % self.chunk)
+            self._feed(suffix[i:i + take])
+            i += take
+        return "prefill"
+
+    def _feed(self, tokens: list[int]) -> None:
+        self._rt.prefill(tokens)
+        if self.auto_checkpoints and self.pos % self.chunk == 0:
+            _push(self._auto, self._capture(), self.auto_checkpoints)
+
+    def _check_tokens(self, tokens: Sequence[int]) -> list[int]:
+        out = [int(t) for t in tokens]
+        n_vocab = self.config.n_vocab
+        for i, t in enumerate(out):
+            if not 0 <= t < n_vocab:
+                raise InferenceError(f"token id {t} at index {i} is outside the vocabulary 0..{n_vocab - 1}")
+        return out
+
+    # -- snapshots -------------------------------------------------------------------------------------
+
+    def _capture(self) -> Snapshot:
+        state, tokens, logits = self._rt.snapshot()
+        return Snapshot(tuple(tokens), state, logits)
+
+    def _set(self, snap: Snapshot) -> None:
+        self._rt.restore((snap.state, list(snap.tokens), snap.logits))
+
+    def snapshot(self, *, keep: bool = False) -> Snapshot:
+        """The live state, restorable with ``restore``. ``keep``: also remember it, so that ``sync``
+        and ``rewind`` can restore it when a later target diverges after its end."""
+        snap = self._capture()
+        if keep and snap.pos > 0 and self.kept_checkpoints:
+            _push(self._kept, snap, self.kept_checkpoints)
+        return snap
+
+    def restore(self, snap: Snapshot) -> None:
+        """Make ``snap`` the live state (any session of the same model and a large enough ctx)."""
+        if not isinstance(snap, Snapshot):
+            raise InferenceError(f"restore needs a Snapshot, got {type(snap).__name__}")
+        if snap.state.n_tokens != snap.pos or len(snap.state.layers) != self.config.n_layer:
+            raise InferenceError(f"snapshot is inconsistent: {snap.pos} tokens, state of {snap.state.n_tokens} "
+                                 f"tokens over {len(snap.state.layers)} layers")
+        if snap.pos > self.ctx:
+            raise InferenceError(f"snapshot of {snap.pos} tokens does not fit ctx {self.ctx}")
+        self._set(snap)
+
+    def checkpoints(self) -> list[int]:
+        """Positions of the snapshots ``sync`` / ``rewind`` may restore (automatic and kept)."""
+        return sorted({s.pos for s in self._auto + self._kept})
+
+    def drop_checkpoints(self) -> None:
+        self._auto, self._kept = [], []
+
+    def _best_snapshot(self, target: list[int]) -> Snapshot | None:
+        best = None
+        for snap in self._auto + self._kept:
+            n = snap.pos
+            if 0 < n <= len(target) and (best is None or n > best.pos) and list(snap.tokens) == target[:n]:
+                best = snap
+        if best is not None and any(s is best for s in self._kept):
+            self._kept = [s for s in self._kept if s is not best] + [best]
+        return best
+
+    # -- next token ------------------------------------------------------------------------------------
+
+    def logits(self) -> np.ndarray:
+        """float32 [n_vocab]: next-token logits after the live tokens."""
+        return self._rt.logits()
+
+    def argmax(self) -> int:
+        return argmax(self.logits())
+
+    def sample(self, params: SamplingParams, rng: XorShiftRng) -> int:
+        return sample(self.logits(), params, rng)
+
+    def top_logprobs(self, k: int) -> list[TokenScore]:
+        return top_logprobs(self.logits(), k)
+
+    def token_logprob(self, token: int) -> TokenScore:
+        return token_logprob(self.logits(), token)
+
+    # -- payload ---------------------------------------------------------------------------------------
+
+    def payload_chunks(self, snap: Snapshot | None = None) -> list[bytes | memoryview]:
+        """The payload of the live state (or of ``snap``) as a list of buffers, for the KV store."""
+        snap = self._capture() if snap is None else snap
+        if snap.pos == 0 or snap.logits is None:
+            raise PayloadError("nothing to save: the session holds no tokens")
+        return payload_format.encode(
+            self.config, model_id=self.model_id, ctx=self.ctx, chunk=self.chunk,
+            numerics=getattr(getattr(self.model, "numerics", None), "value", "default"),
+            tokens=snap.tokens, logits=np.array(snap.logits, dtype=np.float32), arrays=snap.state.to_numpy())
+
+    def payload_bytes(self) -> int:
+        """Exact byte size ``save_payload`` would write now."""
+        return payload_format.nbytes(self.payload_chunks())
+
+    def save_payload(self, fp: BinaryIO, snap: Snapshot | None = None) -> int:
+        """Write the payload to a binary file; returns the bytes written."""
+        return payload_format.write(fp, self.payload_chunks(snap))
+
+    def load_payload(self, src, size: int | None = None) -> int:
+        """Replace the live state with a payload (a bytes-like object, or a binary file at its start;
+        ``size`` bounds the read when the payload is followed by other data). Returns its token
+        count. Raises PayloadError, leaving the session unchanged, when it does not fit here."""
+        p = payload_format.decode(src, self.config, model_id=self.model_id, ctx=self.ctx, chunk=self.chunk,
+                                  size=size)
+        d = dict(p.arrays)
+        d["n_tokens"] = np.array(len(p.tokens), dtype=np.int64)
+        state = ModelState.from_numpy(self.config, d)
+        self._set(Snapshot(tuple(p.tokens), state, mx.array(p.logits)))
+        return len(p.tokens)
+
+    def load_payload_file(self, path) -> int:
+        with open(path, "rb") as fh:
+            return self.load_payload(fh)
+
+
+def _push(pool: list[Snapshot], snap: Snapshot, cap: int) -> None:
+    """Append ``snap`` (replacing one with the same tokens) and keep the ``cap`` most recent."""
+    pool[:] = [s for s in pool if s.tokens != snap.tokens]
+    pool.append(snap)
+    if len(pool) > cap:
+        del pool[:len(pool) - cap]

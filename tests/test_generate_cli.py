@@ -1,0 +1,63 @@
+"""`ds4-mlx generate`: greedy output, the stats line, and prefix reuse through --kv-disk-dir."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from ds4_mlx.frontends.cli import main
+
+STATS = re.compile(r"ds4-mlx: prompt: (\d+) tokens \((\d+) cached\), prefill: [\d.]+ t/s, "
+                   r"generation: [\d.]+ t/s \((\d+) tokens\)")
+
+
+@pytest.fixture(scope="module")
+def text(oracle_dir) -> str:
+    raw = (oracle_dir / "golden" / "prompts" / "dev_long.txt").read_text(encoding="utf-8")
+    return raw.removeprefix("<｜begin▁of▁sentence｜>")
+
+
+def generate(capsys, model, prompt: str, *extra: str) -> tuple[str, int, int, str]:
+    """Run the command; returns (generated text, prompt tokens, cached tokens, stderr)."""
+    rc = main(["generate", "-m", str(model), "-p", prompt, "--temp", "0", "-n", "6", "--ctx", "1024",
+               "--nothink", *extra])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    m = STATS.search(err)
+    assert m, err
+    assert int(m.group(3)) <= 6
+    return out, int(m.group(1)), int(m.group(2)), err
+
+
+def test_same_prompt_reuses_the_saved_prompt(capsys, tiny_model_path, text, tmp_path):
+    kv = tmp_path / "kv"
+    args = ("--kv-disk-dir", str(kv), "--kv-cache-min-tokens", "64")
+    out1, n1, cached1, err1 = generate(capsys, tiny_model_path, text[:600], *args)
+    assert cached1 == 0 and f"kv cache stored {n1} tokens" in err1  # short prompt: saved whole
+    assert len(list(kv.glob("*.kv"))) == 1
+    out2, n2, cached2, err2 = generate(capsys, tiny_model_path, text[:600], *args)
+    assert (n2, cached2) == (n1, n1) and "kv cache hit" in err2 and "stored" not in err2
+    assert out2 == out1 and out1.strip()
+
+
+def test_longer_prompt_reuses_aligned_prefix_exactly(capsys, tiny_model_path, text, tmp_path):
+    """With a 64-token chunk, the cold save is cut at n - 32 rounded down to 64; the second, longer
+    prompt resumes there, on a chunk boundary, so its greedy output equals a cold run's."""
+    kv = tmp_path / "kv"
+    args = ("--kv-disk-dir", str(kv), "--kv-cache-min-tokens", "64", "--prefill-chunk", "64")
+    _, n1, cached1, err1 = generate(capsys, tiny_model_path, text[:600], *args)
+    cut = (n1 - 32) // 64 * 64
+    assert cached1 == 0 and cut >= 64 and f"kv cache stored {cut} tokens" in err1
+    out2, n2, cached2, _ = generate(capsys, tiny_model_path, text[:900], *args)
+    assert n2 > n1 and cached2 == cut
+    out3, n3, cached3, _ = generate(capsys, tiny_model_path, text[:900], "--prefill-chunk", "64")
+    assert (n3, cached3) == (n2, 0)
+    assert out2 == out3
+
+
+def test_bad_kv_flags(capsys, tiny_model_path):
+    rc = main(["generate", "-m", str(tiny_model_path), "-p", "x", "--kv-cache-min-tokens", "0"])
+    assert rc == 2 and "--kv-cache-min-tokens must be >= 1" in capsys.readouterr().err
+    rc = main(["generate", "-m", str(tiny_model_path), "-p", "x", "--prefill-chunk", "0"])
+    assert rc == 2 and "--prefill-chunk must be >= 1" in capsys.readouterr().err
