@@ -61,3 +61,32 @@ def test_bad_kv_flags(capsys, tiny_model_path):
     assert rc == 2 and "--kv-cache-min-tokens must be >= 1" in capsys.readouterr().err
     rc = main(["generate", "-m", str(tiny_model_path), "-p", "x", "--prefill-chunk", "0"])
     assert rc == 2 and "--prefill-chunk must be >= 1" in capsys.readouterr().err
+
+
+def test_continued_saves_and_exit_save(capsys, tiny_model_path, text, tmp_path):
+    """Interval 50 with a 32-token chunk: continued saves every 64 tokens; with --raw and
+    --kv-cache-save-on-exit the final state (prompt + all generated tokens but the last, which is
+    never fed) is stored, and a run whose prompt replays the answer continues from it."""
+    kv = tmp_path / "kv"
+    args = ("--kv-disk-dir", str(kv), "--kv-cache-min-tokens", "32", "--prefill-chunk", "32",
+            "--kv-cache-continued-interval-tokens", "50", "--raw", "--kv-cache-save-on-exit")
+    prompt = text[:300]
+    out1, n1, cached1, err1 = generate(capsys, tiny_model_path, prompt, *args)
+    stored = [(int(n), why) for n, why in re.findall(r"kv cache stored (\d+) tokens \((\w+)\)", err1)]
+    cut = (n1 - 32) // 32 * 32  # no chat markers in --raw prose: n - 32 aligned down to the chunk
+    assert cut % 64, cut  # (a cut on a frontier would also suppress the continued saves below it)
+    generated = int(STATS.search(err1).group(3))
+    final = n1 + generated - 1
+    expected = sorted([(f, "continued") for f in range(64, n1, 64)] + [(cut, "cold")]) + [(final, "shutdown")]
+    assert cached1 == 0 and stored == expected, err1
+    assert len(list(kv.glob("*.kv"))) == len(expected)
+
+    _, n2, cached2, err2 = generate(capsys, tiny_model_path, prompt + out1.removesuffix("\n"),
+                                    *args[:-1])
+    assert cached2 == final and f"kv cache hit: {final} tokens" in err2, err2
+    assert n2 > final
+
+
+def test_bad_continued_interval(capsys, tiny_model_path):
+    rc = main(["generate", "-m", str(tiny_model_path), "-p", "x", "--kv-cache-continued-interval-tokens", "-1"])
+    assert rc == 2 and "--kv-cache-continued-interval-tokens must be >= 0" in capsys.readouterr().err

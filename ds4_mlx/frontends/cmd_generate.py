@@ -5,11 +5,14 @@ top-p 1, min-p 0.05, ctx 32768, up to 50000 tokens; `--temp 0` is greedy. `--dum
 writes the JSON ds4 writes for its flag of that name (a greedy continuation, no text printed).
 
 `--kv-disk-dir DIR` keeps prompt prefixes on disk (ds4-server's disk KV cache, same file format and
-policy, see ``engine/kvstore.py``): a run first looks for the longest stored prefix of its prompt
-(by tokens, then by rendered text as ds4 does) and continues from it; a fresh prompt of
-``--kv-cache-min-tokens`` .. 30000 tokens is saved at ds4's cold boundary (the chat anchor, else
-``n - 32`` rounded down to the prefill chunk, else the whole prompt) before the rest is prefilled.
-The stats line reports the cached tokens.
+policy; ``engine/disk_cache.py`` holds the rules): a run first looks for the longest stored prefix
+of its prompt (by tokens, and by rendered text as ds4 does: the one holding more tokens wins) and
+continues from it; a fresh prompt of ``--kv-cache-min-tokens`` .. 30000 tokens is saved at ds4's cold boundary (the chat anchor, else
+``n - 32`` rounded down to the alignment, else the whole prompt) before the rest is prefilled; and
+the live session is saved as "continued" at every multiple of the continued step (the interval
+rounded up to the alignment: 10240 by default) during prefill and generation.
+``--kv-cache-save-on-exit`` also stores the final state (ds4-server's shutdown save; off by
+default, see ``DiskCache``). The stats line reports the cached tokens.
 """
 
 from __future__ import annotations
@@ -63,7 +66,13 @@ def register(sub) -> None:
     kv.add_argument("--kv-cache-min-tokens", type=int, default=512, metavar="N",
                     help="shortest prefix worth saving or loading (default 512)")
     kv.add_argument("--kv-cache-boundary-align-tokens", type=int, default=None, metavar="N",
-                    help="align cold saves down to this multiple (default: the prefill chunk; 0 = off)")
+                    help="align cold saves and continued frontiers to this multiple "
+                         "(default: the prefill chunk; 0 = off)")
+    kv.add_argument("--kv-cache-continued-interval-tokens", type=int, default=10000, metavar="N",
+                    help="save the live session every N tokens, rounded up to the alignment "
+                         "(default 10000, i.e. 10240; 0 = off)")
+    kv.add_argument("--kv-cache-save-on-exit", action="store_true",
+                    help="also store the final state (prompt + generated tokens) when the run ends")
     p.set_defaults(func=run, think="high")
 
 
@@ -94,6 +103,9 @@ def _validate(args) -> None:
     if args.kv_cache_boundary_align_tokens is not None and args.kv_cache_boundary_align_tokens < 0:
         raise CliUsageError(f"--kv-cache-boundary-align-tokens must be >= 0, "
                             f"got {args.kv_cache_boundary_align_tokens}")
+    if args.kv_cache_continued_interval_tokens < 0:
+        raise CliUsageError(f"--kv-cache-continued-interval-tokens must be >= 0, "
+                            f"got {args.kv_cache_continued_interval_tokens}")
     if args.kv_disk_space_mb < 0:
         raise CliUsageError(f"--kv-disk-space-mb must be >= 0, got {args.kv_disk_space_mb}")
 
@@ -114,9 +126,12 @@ def run(args) -> int:
         raise CliUsageError(f"prompt has {len(prompt)} tokens, which does not fit --ctx {args.ctx}")
 
     session = engine.new_session(ctx=args.ctx, chunk=args.prefill_chunk)
+    disk = _open_disk_cache(engine, args) if args.kv_disk_dir else None
     t0 = time.perf_counter()
-    if args.kv_disk_dir:
-        prompt, cached = _sync_with_disk_cache(engine, session, prompt, args)
+    if disk is not None:
+        report = disk.sync(session, prompt)
+        _report_sync(report)
+        prompt, cached = report.effective_prompt, report.cached_tokens
     else:
         session.sync(prompt)
         cached = 0
@@ -125,7 +140,9 @@ def run(args) -> int:
     max_tokens = 0 if room <= 1 else min(args.tokens, room - 1)
 
     if args.dump_logprobs:
-        return _dump_logprobs(engine, session, prompt, args, max_tokens)
+        rc = _dump_logprobs(engine, session, prompt, args, max_tokens, disk)
+        _close(disk, session, args)
+        return rc
 
     params = SamplingParams(temperature=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
     rng = XorShiftRng(args.seed or None)
@@ -144,10 +161,12 @@ def run(args) -> int:
         if generated >= max_tokens:
             break
         session.eval(token)
+        _after_eval(disk, session)
     out.write(decoder.flush())
     out.write("\n")
     out.flush()
     t3 = time.perf_counter()
+    _close(disk, session, args)
     computed = len(prompt) - cached
     prefill_tps = computed / (t1 - t0) if t1 > t0 and computed else 0.0
     gen_tps = generated / (t3 - t2) if t3 > t2 and generated else 0.0
@@ -156,67 +175,48 @@ def run(args) -> int:
     return 0
 
 
-def _sync_with_disk_cache(engine, session, prompt: list[int], args) -> tuple[list[int], int]:
-    """Bring ``session`` to the prompt through the disk cache; returns (effective prompt, cached).
-
-    A stored checkpoint whose tokens are a prefix of the prompt is exact; one found by rendered
-    text (ds4's key, e.g. written by a server from the same conversation) continues with its own
-    tokens plus the tokenized remainder of the text, as ds4 does. A fresh prompt gets ds4's cold
-    save: sync to the cold boundary, store, then sync the rest.
-    """
-    from ds4_mlx.engine.kvstore import KVStore
-    from ds4_mlx.engine.kvstore_policy import KVStoreOptions, cold_store_len
-    from ds4_mlx.engine.payload import VERSION, PayloadError
-    from ds4_mlx.errors import KVStoreError
+def _open_disk_cache(engine, args):
+    from ds4_mlx.engine.disk_cache import DiskCache, KVStoreOptions
 
     align = args.kv_cache_boundary_align_tokens
     opts = KVStoreOptions(min_tokens=args.kv_cache_min_tokens,
                           cold_max_tokens=max(30000, args.kv_cache_min_tokens),
+                          continued_interval_tokens=args.kv_cache_continued_interval_tokens,
                           boundary_align_tokens=args.prefill_chunk if align is None else align)
-    store = KVStore(args.kv_disk_dir, args.kv_disk_space_mb, model_id=engine.model_id,
-                    quant_bits=engine.quant_bits, ctx=args.ctx, payload_version=VERSION, options=opts)
-    tokenizer = engine.tokenizer
-    text = tokenizer.decode_bytes(prompt)
-    for by in ("tokens", "text"):
-        hit = store.restore(tokens=prompt) if by == "tokens" else store.restore(rendered_text=text)
-        if hit is None:
-            continue
-        try:
-            session.load_payload(hit.payload)
-        except PayloadError as exc:
-            store.mark_unloadable(hit.entry, str(exc))
-            continue
-        if session.tokens != hit.tokens:
-            store.mark_unloadable(hit.entry, "payload tokens differ from the file's token list")
-            continue
-        if by == "tokens":
-            effective = prompt
-        else:
-            try:
-                rest = text[len(hit.text):].decode("utf-8")
-            except UnicodeDecodeError:  # cut inside a character: only a token-exact hit is safe
-                continue
-            effective = session.tokens + (tokenizer.encode_rendered(rest) if rest else [])
-            if len(effective) >= args.ctx:
-                continue
-        session.sync(effective)
-        print(f"ds4-mlx: kv cache hit: {len(hit.tokens)} tokens ({by}) from {hit.entry.path}", file=sys.stderr)
-        return effective, len(hit.tokens)
+    return DiskCache(engine, args.kv_disk_dir, args.kv_disk_space_mb, ctx=args.ctx, options=opts)
 
-    session.reset()
-    cut = cold_store_len(prompt, engine.user_id, engine.assistant_id, opts)
-    if cut:
-        session.sync(prompt[:cut])
-        try:
-            entry = store.store(prompt[:cut], tokenizer.decode_bytes(prompt[:cut]), session.payload_chunks(),
-                                "cold")
-        except KVStoreError as exc:  # as ds4: a failed save is reported, the run goes on
-            print(f"ds4-mlx: kv cache store failed: {exc}", file=sys.stderr)
-            entry = None
-        if entry is not None:
-            print(f"ds4-mlx: kv cache stored {cut} tokens in {entry.path}", file=sys.stderr)
-    session.sync(prompt)
-    return prompt, 0
+
+def _report_save(res) -> None:
+    if res.stored:
+        print(f"ds4-mlx: kv cache stored {res.tokens} tokens ({res.reason}) in {res.path}", file=sys.stderr)
+    else:  # as ds4: a failed or skipped save is reported, the run goes on
+        print(f"ds4-mlx: kv cache store {res.status} ({res.reason}, {res.tokens} tokens): {res.detail}",
+              file=sys.stderr)
+
+
+def _report_sync(report) -> None:
+    for why in report.refused:
+        print(f"ds4-mlx: kv cache refused {why}", file=sys.stderr)
+    if report.hit_path is not None:
+        by = report.source.removeprefix("disk-")
+        print(f"ds4-mlx: kv cache hit: {report.cached_tokens} tokens ({by}) from {report.hit_path}",
+              file=sys.stderr)
+    for res in report.saved:
+        _report_save(res)
+
+
+def _after_eval(disk, session) -> None:
+    if disk is not None:
+        res = disk.after_eval(session)
+        if res is not None:
+            _report_save(res)
+
+
+def _close(disk, session, args) -> None:
+    if disk is not None and args.kv_cache_save_on_exit:
+        res = disk.close(session)
+        if res is not None:
+            _report_save(res)
 
 
 def _token_json(tokenizer, token: int) -> dict:
@@ -224,7 +224,7 @@ def _token_json(tokenizer, token: int) -> dict:
     return {"id": token, "text": raw.decode("utf-8", errors="replace"), "bytes": list(raw)}
 
 
-def _dump_logprobs(engine, session, prompt, args, max_tokens: int) -> int:
+def _dump_logprobs(engine, session, prompt, args, max_tokens: int, disk=None) -> int:
     """Same shape and key order as ds4's run_logprob_dump: greedy steps with top-k logprobs."""
     from ds4_mlx.engine.sampling import argmax, top_logprobs
 
@@ -243,6 +243,7 @@ def _dump_logprobs(engine, session, prompt, args, max_tokens: int) -> int:
         if token == engine.eos_id:
             break
         session.eval(token)
+        _after_eval(disk, session)
     doc = {"source": "ds4-mlx", "prompt_tokens": len(prompt), "ctx": args.ctx, "top_k": k, "steps": steps}
     try:
         Path(args.dump_logprobs).write_text(json.dumps(doc, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
