@@ -319,6 +319,19 @@ def test_mark_unloadable_makes_restore_fall_back(tmp_path):
     assert best.path.exists()
 
 
+def test_store_replaces_a_same_text_file_whose_payload_was_refused(tmp_path):
+    """A same-text file is normally kept as is (ds4); one our loader refused would then be reported
+    as stored while no later run could load it, so it is rewritten with the new payload."""
+    store = make_store(tmp_path)
+    old = store.store(toks(700, 1), "abc", payload(10), "cold")
+    got = store.restore(rendered_text="abcd")
+    store.mark_unloadable(got.entry, "payload made with another prefill chunk")
+    new = store.store(toks(700, 1), "abc", payload(12), "cold")
+    assert new is not None and new.name == old.name
+    again = store.restore(rendered_text="abcd")
+    assert again is not None and bytes(again.payload) == bytes(payload(12))
+
+
 # -- store -----------------------------------------------------------------------------------
 
 

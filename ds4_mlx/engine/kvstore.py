@@ -1210,6 +1210,10 @@ class KVStore:
             same_why = same.reason if isinstance(same, InvalidFile) else None
             if isinstance(same, Entry):
                 same_why = self.incompatibility(same)
+                if same_why is None and self._failed_before(same):
+                    # Our session loader refused its payload (e.g. another prefill chunk): keeping
+                    # it "as is" would report a save that no later run of ours can load.
+                    same_why = "its payload was refused by this loader"
             if isinstance(same, Entry) and same_why is None:
                 # Fully verified (a read, cheaper than the write it saves): a damaged copy must
                 # not shadow the good checkpoint we hold in hand.
