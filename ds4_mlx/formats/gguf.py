@@ -2,6 +2,9 @@
 
 Nothing is read from tensor data until a view is asked for, and even then the OS pages it in lazily,
 so opening the 81 GB model costs the size of its header (~10 MB, mostly the tokenizer tables).
+String arrays (the 257k tokenizer strings) are not turned into Python objects either: each becomes a
+``StringArray`` holding one offset per element and decoding an element when it is read; their bounds
+and UTF-8 are still checked while the file is opened.
 
 Every structural problem raises ``GGUFError`` naming the file and the byte offset where parsing
 stopped; the parser bounds every length by the bytes actually left in the file before allocating
@@ -11,13 +14,17 @@ input is linear in the file's header size.
 
 from __future__ import annotations
 
+import codecs
 import mmap
+import operator
 import os
 import struct
+from array import array
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -143,6 +150,145 @@ class MetadataField:
         return len(self.value) if self.type == ValueType.ARRAY else None
 
 
+class StringArray(Sequence[str]):
+    """A GGUF string array read in place: a read-only ``Sequence[str]`` decoded element by element.
+
+    The file stores each element as a u64 byte length followed by that many UTF-8 bytes. Only the
+    position of each length is kept (``count + 1`` int64, the last one where the array ends), so
+    the 129k-token vocabulary costs 1 MB instead of ~15 MB of Python strings, and nothing is decoded
+    until read. Every element's bounds and UTF-8 were checked when the file was opened, so reading
+    never fails. Compares equal to a list of the same strings; slicing returns a list.
+
+    The array holds a buffer export of the mapping, so, like a tensor view, it stays readable after
+    ``GGUFFile.close()`` (the mapping goes away with the last of them).
+    """
+
+    __slots__ = ("_buf", "_pin", "_off")
+
+    def __init__(self, buf: Any, offsets: np.ndarray):
+        self._buf = buf  # sliced directly: an mmap slice is a bytes object in one step
+        self._pin = memoryview(buf)
+        self._off = offsets
+
+    def __len__(self) -> int:
+        return len(self._off) - 1
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[str]: ...
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[k] for k in range(*index.indices(len(self)))]
+        return self.raw(index).decode("utf-8")
+
+    def raw(self, index: int) -> bytes:
+        """Element ``index`` as its UTF-8 bytes."""
+        i = operator.index(index)
+        n = len(self._off) - 1
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"StringArray index {index} out of range for {n} strings")
+        return self._buf[int(self._off[i]) + 8 : int(self._off[i + 1])]
+
+    def iter_bytes(self) -> Iterator[bytes]:
+        """Every element as UTF-8 bytes, in order."""
+        buf, off, n = self._buf, self._off, len(self)
+        for k in range(0, n, _RUN):
+            pos = off[k : k + _RUN + 1].tolist()
+            for a, b in zip(pos, pos[1:]):
+                yield buf[a + 8 : b]
+
+    def __iter__(self) -> Iterator[str]:
+        for raw in self.iter_bytes():
+            yield raw.decode("utf-8")
+
+    def __contains__(self, value: object) -> bool:
+        if not isinstance(value, str):
+            return False
+        try:
+            target = value.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate is never a stored string
+            return False
+        return any(raw == target for raw in self.iter_bytes())
+
+    def packed_utf8(self) -> tuple[bytes, array]:
+        """All elements' UTF-8 back to back, and ``count + 1`` offsets into it (``array('q')``, the
+        first 0): element i is ``blob[offsets[i]:offsets[i + 1]]``. A compact copy, independent of
+        the file, made a run of elements at a time so no temporary is large."""
+        off, n, buf = self._off, len(self), self._buf
+        packed = array("q", [0]) * (n + 1)
+        view = np.frombuffer(packed, dtype=np.int64)
+        base = int(off[0])
+        pieces = []
+        for k in range(0, n, _RUN):
+            pos = off[k : k + _RUN + 1].tolist()
+            pieces.append(b"".join([buf[a + 8 : b] for a, b in zip(pos, pos[1:])]))
+            # packed, element i starts 8 bytes earlier than in the file per length prefix before it
+            idx = np.arange(k + 1, k + len(pos))
+            view[idx] = off[idx] - base - 8 * idx
+        del view  # release the export: the array is returned
+        return b"".join(pieces), packed
+
+    def tolist(self) -> list[str]:
+        return list(self)
+
+    def _stored(self) -> bytes:
+        return self._buf[int(self._off[0]) : int(self._off[-1])]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, StringArray):
+            # the stored bytes include every length, so they are equal exactly when all elements are
+            return len(self) == len(other) and self._stored() == other._stored()
+        if isinstance(other, list):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # compares equal to (unhashable) lists
+
+    def __reduce__(self):
+        return (list, (self.tolist(),))  # pickled or deep-copied, it is the plain list
+
+    def __repr__(self) -> str:
+        head = ", ".join(repr(s) for s in self[:3])
+        return f"StringArray([{head}{', ...' if len(self) > 3 else ''}], {len(self)} strings)"
+
+
+# String arrays are checked and copied a run of elements at a time, runs of about this many bytes
+# or elements: every temporary stays well under the allocator's mmap threshold, so none lingers.
+_UTF8_CHUNK = 1 << 16
+_RUN = 4096
+
+
+def _first_invalid_utf8(buf: Any, offsets: np.ndarray) -> int | None:
+    """Index of the first string-array element that is not valid UTF-8, or None.
+
+    Decoding element by element would build every Python string; instead a copy of a run of
+    elements, with their 8-byte length prefixes zeroed, is decoded in one call. A NUL byte is a
+    complete character that neither continues nor can be continued by a multi-byte sequence, so the
+    zeroed prefixes separate the elements: the run is valid UTF-8 exactly when each element is.
+    """
+    n = len(offsets) - 1
+    i = 0
+    while i < n:
+        j = int(np.searchsorted(offsets, offsets[i] + _UTF8_CHUNK, side="right")) - 1
+        j = min(max(j, i + 1), n)
+        a, b = int(offsets[i]), int(offsets[j])
+        run = np.frombuffer(buf, dtype=np.uint8, count=b - a, offset=a).copy()
+        rel = offsets[i:j] - a
+        for k in range(8):
+            run[rel + k] = 0
+        try:
+            codecs.utf_8_decode(run, "strict", True)
+        except UnicodeDecodeError as exc:
+            return i + int(np.searchsorted(rel, exc.start, side="right")) - 1
+        i = j
+    return None
+
+
 class _Cursor:
     """Bounds-checked little-endian reads from the mapped file."""
 
@@ -184,53 +330,51 @@ class _Cursor:
         except UnicodeDecodeError as exc:
             self.fail(f"{what} is not valid UTF-8 ({exc.reason} at byte {exc.start} of the string)", start)
 
-    def string_array(self, count: int, what: str) -> list[str]:
-        """``count`` length-prefixed strings in one tight loop (the tokenizer tables hold ~257k)."""
+    def string_array(self, count: int, what: str) -> StringArray:
+        """``count`` length-prefixed strings: bounds walked in one tight loop (the tokenizer tables
+        hold ~257k), UTF-8 checked in bulk, nothing decoded."""
         buf, size, pos = self.buf, self.size, self.pos
         unpack = _U64.unpack_from
-        raws = []
-        append = raws.append
+        offsets = array("q")  # grown as elements check out: a corrupt count allocates nothing
+        append = offsets.append
         j = 0
         try:
             for j in range(count):
+                append(pos)
                 (n,) = unpack(buf, pos)
-                pos += 8
-                end = pos + n
+                end = pos + 8 + n
                 if end > size:
-                    self.pos = pos - 8
+                    self.pos = pos
                     self.fail(f"{what}[{j}]: string length {n} runs past the end of the file "
-                              f"(only {size - pos} bytes remain)")
-                append(buf[pos:end])
+                              f"(only {size - pos - 8} bytes remain)")
                 pos = end
         except struct.error:
             self.pos = pos
             self.fail(f"{what}[{j}] length: needs 8 bytes but only {size - pos} remain "
                       f"(file is {size} bytes; truncated or corrupt)")
-        try:
-            out = [r.decode("utf-8") for r in raws]
-        except UnicodeDecodeError:
-            self._fail_utf8(raws, what)
-        self.pos = pos
-        return out
-
-    def _fail_utf8(self, raws: list[bytes], what: str):
-        p = self.pos
-        for j, r in enumerate(raws):
+        append(pos)
+        offs = np.frombuffer(offsets, dtype=np.int64)
+        bad = _first_invalid_utf8(buf, offs)
+        if bad is not None:
+            start = int(offs[bad])
             try:
-                r.decode("utf-8")
+                buf[start + 8 : int(offs[bad + 1])].decode("utf-8")
             except UnicodeDecodeError as exc:
-                self.fail(f"{what}[{j}] is not valid UTF-8 ({exc.reason} at byte {exc.start} of the string)", p)
-            p += 8 + len(r)
-        raise AssertionError("a string array failed bulk UTF-8 decoding but every element decodes")
+                self.fail(f"{what}[{bad}] is not valid UTF-8 ({exc.reason} at byte {exc.start} of the string)",
+                          start)
+            raise AssertionError("a string array failed bulk UTF-8 validation but the element decodes")
+        self.pos = pos
+        return StringArray(buf, offs)
 
 
 class GGUFFile:
     """A GGUF v3 file opened read-only by mmap.
 
     ``metadata`` maps keys to Python values (scalars as int/float/bool/str, arrays as lists, nested
-    arrays as nested lists); ``fields`` keeps each key's declared GGUF types and byte offsets;
-    ``tensors`` is the ordered tensor directory. Numeric arrays are also reachable without a copy
-    through ``metadata_array``.
+    arrays as nested lists), except that a top-level string array is a ``StringArray`` (a lazily
+    decoded ``Sequence[str]`` that equals the list of its strings); ``fields`` keeps each key's
+    declared GGUF types and byte offsets; ``tensors`` is the ordered tensor directory. Numeric
+    arrays are also reachable without a copy through ``metadata_array``.
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -403,7 +547,9 @@ class GGUFFile:
         # Strings and nested arrays take at least 8 bytes per element (a length or a type+count).
         cur.need(count * 8, f"{what} array of {count} {sub.name}")
         if sub == ValueType.STRING:
-            return cur.string_array(count, what), sub
+            strings = cur.string_array(count, what)
+            # nested arrays stay plain lists (rare and small; consumers walk them as lists)
+            return (strings if depth == 0 else strings.tolist()), sub
         out = []
         for j in range(count):
             v, _ = self._read_value(cur, sub, f"{what}[{j}]", depth + 1)
@@ -465,7 +611,8 @@ class GGUFFile:
             try:
                 mm.close()
             except BufferError:
-                # numpy views still reference the mapping; it is unmapped when the last one dies.
+                # numpy views or string arrays still reference the mapping; it is unmapped when
+                # the last one dies.
                 pass
         fh = self._fh
         if fh is not None:

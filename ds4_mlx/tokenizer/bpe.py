@@ -18,11 +18,13 @@ import heapq
 from collections.abc import Iterable, Mapping
 
 from ds4_mlx.errors import TokenizerError
+from ds4_mlx.formats.gguf import StringArray
 from ds4_mlx.tokenizer.byte_map import BYTE_TO_UNICODE, text_to_unicode
+from ds4_mlx.tokenizer.merge_table import ID_BITS as _ID_BITS
+from ds4_mlx.tokenizer.merge_table import ID_MASK as _ID_MASK
+from ds4_mlx.tokenizer.merge_table import Merge, Resolver, build_merge_table
+from ds4_mlx.tokenizer.vocab import Vocab
 
-# Pair keys and merge values are packed into single ints (faster dict/heap operations than tuples).
-_ID_BITS = 24  # token ids < 16.7M
-_ID_MASK = (1 << _ID_BITS) - 1
 # Pieces up to this many byte-level symbols use the list scan.
 _SHORT_PIECE = 48
 # Pieces longer than this are not cached (HF does the same; keeps the cache from pinning huge strings).
@@ -31,47 +33,39 @@ _CACHE_MAX_ENTRIES = 1 << 18
 
 
 class BPE:
-    """Byte-level BPE over a vocabulary (string -> id) and an ordered merge list."""
+    """Byte-level BPE over a vocabulary and an ordered merge list ("A B" strings or [A, B] pairs).
 
-    def __init__(self, vocab: Mapping[str, int], merges: Iterable[str | tuple[str, str] | list[str]]):
-        self.vocab = vocab
-        char_id = {}
-        for b, ch in enumerate(BYTE_TO_UNICODE):
-            tid = vocab.get(ch)
-            if tid is None:
-                raise TokenizerError(
-                    f"vocabulary lacks the byte-level symbol {ch!r} (byte 0x{b:02X}); every byte must have a token")
-            char_id[ch] = tid
-        self._char_id = char_id
+    ``BPE(vocab, merges)`` takes the vocabulary as str -> id; ``BPE.from_vocab`` a ``Vocab``, with the
+    merges also as a GGUF ``StringArray`` (see merge_table.py). Neither keeps the vocabulary: only
+    the 256 byte symbols' ids and the merge table stay.
+    """
 
-        pairs = []
-        for rank, m in enumerate(merges):
-            if isinstance(m, str):
-                parts = m.split(" ")
-            elif isinstance(m, (list, tuple)):
-                parts = list(m)
-            else:
-                raise TokenizerError(f"merge #{rank} is a {type(m).__name__}, expected 'A B' or [A, B]")
-            if len(parts) != 2 or not parts[0] or not parts[1]:
-                raise TokenizerError(f"merge #{rank} {m!r} is not two tokens separated by one space")
-            pairs.append(parts)
-        get = vocab.get
-        left = [get(a) for a, _ in pairs]
-        right = [get(b) for _, b in pairs]
-        merged = [get(a + b) for a, b in pairs]
-        for column, what in ((left, "left"), (right, "right"), (merged, "merged")):
-            if None in column:
-                rank = column.index(None)
-                a, b = pairs[rank]
-                token = {"left": a, "right": b, "merged": a + b}[what]
-                raise TokenizerError(f"merge #{rank} {a + ' ' + b!r}: token {token!r} is not in the vocabulary")
-        if max(max(left, default=0), max(right, default=0), max(merged, default=0)) > _ID_MASK:
+    def __init__(self, vocab: Mapping[str, int], merges: Iterable[Merge]):
+        ids: dict[bytes, int] = {}
+        for s, tid in vocab.items():
+            try:
+                ids[s.encode("utf-8")] = tid
+            except UnicodeEncodeError as exc:
+                raise TokenizerError(f"vocabulary string {s!r} has no UTF-8 form ({exc.reason})") from None
+        self._build(lambda raws: list(map(ids.get, raws)), max(ids.values(), default=0), merges)
+
+    @classmethod
+    def from_vocab(cls, vocab: Vocab, merges: StringArray | Iterable[Merge]) -> BPE:
+        bpe = cls.__new__(cls)
+        bpe._build(vocab.ids_of_utf8, len(vocab) - 1, merges)
+        return bpe
+
+    def _build(self, resolve: Resolver, max_id: int, merges: StringArray | Iterable[Merge]) -> None:
+        if max_id > _ID_MASK:
             raise TokenizerError(f"token ids above {_ID_MASK} are not supported")
-        # A repeated pair takes its last rank, as HF's merge map (collected into a hash map).
-        merge_map = {(a << _ID_BITS) | b: (r << _ID_BITS) | n
-                     for r, (a, b, n) in enumerate(zip(left, right, merged))}
-        self._merges = merge_map
-        self.n_merges = len(merge_map)
+        char_ids = resolve([ch.encode("utf-8") for ch in BYTE_TO_UNICODE])
+        if None in char_ids:
+            b = char_ids.index(None)
+            raise TokenizerError(f"vocabulary lacks the byte-level symbol {BYTE_TO_UNICODE[b]!r} "
+                                 f"(byte 0x{b:02X}); every byte must have a token")
+        self._char_id = dict(zip(BYTE_TO_UNICODE, char_ids))
+        self._merges = build_merge_table(resolve, merges)
+        self.n_merges = len(self._merges)
         self._cache: dict[str, tuple[int, ...]] = {}
 
     # -- public ------------------------------------------------------------------------------------

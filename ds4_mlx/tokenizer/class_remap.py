@@ -35,29 +35,43 @@ _N_CODE_POINTS = 0x110000
 _SURROGATES = (0xD800, 0xE000)
 
 
-def _hf_labels() -> np.ndarray:
-    labels = np.zeros(_N_CODE_POINTS, dtype=np.int8)
+# Code points classified per block: every temporary stays small (a whole-range pass needs ~20 MB
+# of arrays and a 4 MB string, which the allocator then keeps for the life of the process).
+_BLOCK = 1 << 14
+
+
+def _hf_ranges() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """First and last code point and label of every HF class range, in table order."""
+    first, last, label = [], [], []
     for k, name in enumerate(_CLASSES, 1):
         for item in RANGES[name].split():
             a, b = (int(x, 16) for x in item.split("-"))
-            labels[a : b + 1] = k
+            first.append(a)
+            last.append(b)
+            label.append(k)
+    return np.array(first), np.array(last), np.array(label, dtype=np.int8)
+
+
+def _hf_labels(start: int, stop: int, ranges: tuple[np.ndarray, np.ndarray, np.ndarray]) -> np.ndarray:
+    """HF's class of each code point in [start, stop) (later classes win, as in table order)."""
+    first, last, label = ranges
+    labels = np.zeros(stop - start, dtype=np.int8)
+    for i in np.flatnonzero((first < stop) & (last >= start)).tolist():
+        labels[max(int(first[i]), start) - start : min(int(last[i]) + 1, stop) - start] = label[i]
     return labels
 
 
-def _regex_labels() -> np.ndarray:
-    """Class of every code point according to the installed ``regex`` package."""
+def _regex_labels(start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+    """The code points of [start, stop) but surrogates, and the class the installed ``regex`` gives each."""
+    cps = np.arange(start, stop, dtype="<u4")
     lo, hi = _SURROGATES
-    # Surrogates cannot be matched meaningfully; leave them out and shift indices past the gap.
-    cps = np.concatenate([np.arange(lo), np.arange(hi, _N_CODE_POINTS)]).astype("<u4")
-    everything = cps.tobytes().decode("utf-32-le")
-    labels = np.zeros(_N_CODE_POINTS, dtype=np.int8)
+    cps = cps[(cps < lo) | (cps >= hi)]  # surrogates cannot be matched meaningfully
+    text = cps.tobytes().decode("utf-32-le")
+    labels = np.zeros(len(cps), dtype=np.int8)
     for k, name in enumerate(_CLASSES, 1):
-        for m in regex.finditer(_REGEX_CLASS[name], everything):
-            a, b = m.span()
-            # a run never straddles the gap: U+D7FF and U+E000 are in no class
-            shift = 0 if a < lo else hi - lo
-            labels[a + shift : b + shift] = k
-    return labels
+        for m in regex.finditer(_REGEX_CLASS[name], text):
+            labels[m.start() : m.end()] = k
+    return cps, labels
 
 
 def is_literal_in_patterns(cp: int) -> bool:
@@ -68,18 +82,20 @@ def is_literal_in_patterns(cp: int) -> bool:
 @functools.lru_cache(maxsize=1)
 def deepseek_remap() -> dict[int, str]:
     """``str.translate`` table: code points whose class differs between ``regex`` and HF -> stand-in."""
-    hf = _hf_labels()
-    ours = _regex_labels()
-    lo, hi = _SURROGATES
+    ranges = _hf_ranges()
     table: dict[int, str] = {}
-    for cp in np.nonzero(hf != ours)[0].tolist():
-        if lo <= cp < hi:
-            continue
-        if is_literal_in_patterns(cp):
-            # Cannot be stood in for; never expected (ASCII classes are stable, CJK chars are cut out
-            # by the second Split step before any class is consulted, and are not \p{N} anywhere).
-            if cp < 0x80 or hf[cp] == 1 or ours[cp] == 1:
-                raise RuntimeError(f"U+{cp:04X}: regex and HF disagree on a literal pattern character")
-            continue
-        table[cp] = _STAND_IN[hf[cp]]
+    for start in range(0, _N_CODE_POINTS, _BLOCK):
+        stop = min(start + _BLOCK, _N_CODE_POINTS)
+        cps, ours = _regex_labels(start, stop)
+        hf = _hf_labels(start, stop, ranges)[cps - start]
+        differ = np.flatnonzero(hf != ours)
+        for cp, h, o in zip(cps[differ].tolist(), hf[differ].tolist(), ours[differ].tolist()):
+            if is_literal_in_patterns(cp):
+                # Cannot be stood in for; never expected (ASCII classes are stable, CJK chars are cut
+                # out by the second Split step before any class is consulted, and are not \p{N}
+                # anywhere).
+                if cp < 0x80 or h == 1 or o == 1:
+                    raise RuntimeError(f"U+{cp:04X}: regex and HF disagree on a literal pattern character")
+                continue
+            table[cp] = _STAND_IN[h]
     return table

@@ -13,6 +13,10 @@ Built from GGUF metadata (``tokenizer.ggml.*``) or from an HF ``tokenizer.json``
   markers, ...) is cut out, in HF's two passes (see added_tokens.py). It differs from
   ``encode_rendered`` only on text containing such other added-token strings.
 
+Memory: the vocabulary is kept as a compact ``Vocab`` (one UTF-8 blob, copied out of the GGUF: the
+tokenizer holds no reference to the file) and the BPE merge table as one dict of packed ints; no
+per-token Python string exists until a token is read (~20 MB in all for V4, 13 of them the merges).
+
 The pre-tokenizer follows HF, not ds4.c's hand-written approximation (spec §11.2), which differs on
 some inputs (e.g. ``.»`` followed by newlines); tests/test_tokenizer_ds4_divergence.py shows where.
 """
@@ -26,10 +30,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ds4_mlx.errors import TokenizerError
+from ds4_mlx.formats.gguf import StringArray
 from ds4_mlx.tokenizer.added_tokens import LiteralMatcher, split_literals
 from ds4_mlx.tokenizer.bpe import BPE
 from ds4_mlx.tokenizer.byte_map import unicode_to_bytes
 from ds4_mlx.tokenizer.pretokenizer import DEEPSEEK_V4_PATTERNS, GGUF_PRE_PATTERNS, PreTokenizer
+from ds4_mlx.tokenizer.vocab import Vocab
 
 # ds4's special strings (spec §11.3), resolved by exact lookup in the vocabulary.
 SPECIAL_STRINGS: dict[str, str] = {
@@ -65,7 +71,7 @@ class Tokenizer:
     def __init__(
         self,
         tokens: Sequence[str],
-        merges: Iterable[str | Sequence[str]],
+        merges: Iterable[str | bytes | Sequence[str]],  # or a GGUF StringArray of "A B"
         *,
         added_tokens: Sequence[AddedToken] = (),
         pre_patterns: Sequence[str] = DEEPSEEK_V4_PATTERNS,
@@ -74,22 +80,17 @@ class Tokenizer:
         source: str = "tokenizer",
     ):
         self.source = source
-        self._tokens = list(tokens)
-        n = len(self._tokens)
+        vocab = Vocab.from_strings(tokens, source)
+        n = len(vocab)
         if n == 0:
             raise TokenizerError(f"{source}: the vocabulary is empty")
-        vocab: dict[str, int] = {}
-        for i, t in enumerate(self._tokens):
-            if not isinstance(t, str):
-                raise TokenizerError(f"{source}: token {i} is a {type(t).__name__}, expected a string")
-            vocab.setdefault(t, i)  # first id wins for a repeated string
-        self._vocab = vocab
-        self._bpe = BPE(vocab, merges)
+        self._tokens = vocab
+        self._bpe = BPE.from_vocab(vocab, merges)
         self._pre = PreTokenizer(pre_patterns)
 
         special: dict[str, int] = {}
         for name, s in SPECIAL_STRINGS.items():
-            tid = vocab.get(s)
+            tid = vocab.id_of(s)
             if tid is None:
                 raise TokenizerError(f"{source}: the vocabulary lacks the special token {s!r} ({name})")
             special[name] = tid
@@ -100,7 +101,7 @@ class Tokenizer:
                     f"{source}: {field} is {value} but {SPECIAL_STRINGS[name]!r} is token {special[name]}")
 
         for a in added_tokens:
-            if not 0 <= a.id < n or self._tokens[a.id] != a.content:
+            if not 0 <= a.id < n or vocab[a.id] != a.content:
                 raise TokenizerError(f"{source}: added token {a.content!r} does not match vocabulary id {a.id}")
         self.added_tokens = tuple(added_tokens)
         self._rendered_matcher = LiteralMatcher({SPECIAL_STRINGS[k]: v for k, v in special.items()})
@@ -143,7 +144,7 @@ class Tokenizer:
         types = need("tokenizer.ggml.token_type")
         for key, value, kind in (("tokenizer.ggml.tokens", tokens, str), ("tokenizer.ggml.merges", merges, str),
                                  ("tokenizer.ggml.token_type", types, int)):
-            if not isinstance(value, (list, tuple)) or (value and not isinstance(value[0], kind)):
+            if not isinstance(value, (list, tuple, StringArray)) or (len(value) and not isinstance(value[0], kind)):
                 raise TokenizerError(f"{source}: {key} must be an array of {kind.__name__}")
         if len(types) != len(tokens):
             raise TokenizerError(
@@ -164,7 +165,7 @@ class Tokenizer:
             ids[key] = v
         # GGUF does not keep HF's ``normalized`` flag: one matching pass over all of them (for the V4
         # vocabulary this gives the same result as HF's two passes; tested).
-        added = [AddedToken(t, i) for i, (t, ty) in enumerate(zip(tokens, types))
+        added = [AddedToken(tokens[i], i) for i, ty in enumerate(types)
                  if ty in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)]
         return cls(tokens, merges, added_tokens=added, pre_patterns=patterns,
                    bos_id=ids["tokenizer.ggml.bos_token_id"], eos_id=ids["tokenizer.ggml.eos_token_id"],
@@ -291,8 +292,8 @@ class Tokenizer:
         return self._tokens[token_id]
 
     def token_to_id(self, piece: str) -> int | None:
-        """Id of a vocabulary string, or None."""
-        return self._vocab.get(piece)
+        """Id of a vocabulary string (the lowest, should it repeat), or None."""
+        return self._tokens.id_of(piece)
 
     def token_text(self, token_id: int) -> bytes:
         """Bytes a token stands for (ds4_token_text): markers containing U+FF5C literally, others
