@@ -6,11 +6,8 @@ names, not with the reader under test) or by rewriting it with gguf-py.
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import struct
-import sys
-from pathlib import Path
 
 import gguf
 import numpy as np
@@ -21,28 +18,13 @@ from ds4_mlx.errors import Ds4Error, GGUFError, LayoutError
 from ds4_mlx.formats.config import ModelConfig
 from ds4_mlx.formats.gguf import GGUFFile
 from ds4_mlx.formats.layout import load_model_file
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _tools():
-    name = "ds4_fuzz_gguf"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / "fuzz_gguf.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+from ds4_mlx.testing.small_model import kv_key_pos, kv_type_pos, kv_value_pos, patch, rewrite_gguf, \
+    tensor_info_fields, tensor_info_pos
 
 
 @pytest.fixture(scope="module")
-def small(tmp_path_factory) -> Path:
-    return _tools().build_small_model(tmp_path_factory.mktemp("bad") / "small.gguf")
-
-
-@pytest.fixture(scope="module")
-def data(small) -> bytes:
-    return small.read_bytes()
+def data(small_model_path) -> bytes:
+    return small_model_path.read_bytes()
 
 
 def _fail(tmp_path, content: bytes, error=GGUFError) -> Ds4Error:
@@ -58,19 +40,19 @@ def _fail(tmp_path, content: bytes, error=GGUFError) -> Ds4Error:
 
 
 def _rewrite(small, tmp_path, **changes) -> bytes:
-    return _tools().rewrite_gguf(small, tmp_path / "rewritten.gguf", **changes).read_bytes()
+    return rewrite_gguf(small, tmp_path / "rewritten.gguf", **changes).read_bytes()
 
 
 def _u64(data, pos, v):
-    return _tools().patch(data, pos, "<Q", v)
+    return patch(data, pos, "<Q", v)
 
 
 def _u32(data, pos, v):
-    return _tools().patch(data, pos, "<I", v)
+    return patch(data, pos, "<I", v)
 
 
 def _info(data, name):
-    return _tools().tensor_info_fields(data, name)
+    return tensor_info_fields(data, name)
 
 
 # -- container -------------------------------------------------------------------------------
@@ -85,14 +67,14 @@ def test_truncated_in_header(tmp_path, data):
 
 def test_truncated_in_metadata(tmp_path, data):
     # inside the merges, late enough that the tensor directory could still fit in what is left
-    cut = _tools().kv_value_pos(data, "tokenizer.ggml.merges") + 12 + 4003
+    cut = kv_value_pos(data, "tokenizer.ggml.merges") + 12 + 4003
     e = _fail(tmp_path, data[:cut])
     assert re.search(r"metadata 'tokenizer\.ggml\.merges'\[\d+\]", str(e)), str(e)
     assert "remain" in str(e)
 
 
 def test_truncated_early_is_reported_from_the_counts(tmp_path, data):
-    cut = _tools().kv_value_pos(data, "tokenizer.ggml.tokens") + 300
+    cut = kv_value_pos(data, "tokenizer.ggml.tokens") + 300
     e = _fail(tmp_path, data[:cut])
     assert "tensor count 116 is impossible: it needs at least 3712 bytes" in str(e)
     assert "or the file is truncated" in str(e)
@@ -134,13 +116,13 @@ def test_absurd_metadata_count(tmp_path, data):
 
 
 def test_string_length_beyond_file(tmp_path, data):
-    pos = _tools().kv_value_pos(data, "general.name")
+    pos = kv_value_pos(data, "general.name")
     e = _fail(tmp_path, _u64(data, pos, 1 << 40))
     assert f"metadata 'general.name' string ({1 << 40} bytes): needs" in str(e) and e.offset == pos + 8
 
 
 def test_string_array_element_length_beyond_file(tmp_path, data):
-    first = _tools().kv_value_pos(data, "tokenizer.ggml.merges") + 12
+    first = kv_value_pos(data, "tokenizer.ggml.merges") + 12
     e = _fail(tmp_path, _u64(data, first, 1 << 33))
     assert f"metadata 'tokenizer.ggml.merges'[0]: string length {1 << 33} runs past the end" in str(e)
     assert e.offset == first
@@ -149,7 +131,7 @@ def test_string_array_element_length_beyond_file(tmp_path, data):
 @pytest.mark.parametrize("key,kind", [("tokenizer.ggml.tokens", "STRING"), ("tokenizer.ggml.token_type", "INT32"),
                                       ("deepseek4.attention.compress_ratios", "UINT32")])
 def test_array_length_beyond_file(tmp_path, data, key, kind):
-    pos = _tools().kv_value_pos(data, key) + 4
+    pos = kv_value_pos(data, key) + 4
     e = _fail(tmp_path, _u64(data, pos, 1 << 50))
     assert f"metadata '{key}' array of {1 << 50} {kind}: needs" in str(e)
 
@@ -181,13 +163,13 @@ def test_unknown_tensor_type(tmp_path, data, type_id):
 
 
 def test_unknown_metadata_value_type(tmp_path, data):
-    pos = _tools().kv_type_pos(data, "deepseek4.expert_count")
+    pos = kv_type_pos(data, "deepseek4.expert_count")
     e = _fail(tmp_path, _u32(data, pos, 13))
     assert "metadata 'deepseek4.expert_count' has unknown value type 13" in str(e) and e.offset == pos
 
 
 def test_unknown_array_element_type(tmp_path, data):
-    pos = _tools().kv_value_pos(data, "deepseek4.swiglu_clamp_exp")
+    pos = kv_value_pos(data, "deepseek4.swiglu_clamp_exp")
     e = _fail(tmp_path, _u32(data, pos, 77))
     assert "metadata 'deepseek4.swiglu_clamp_exp' array element has unknown value type 77" in str(e)
 
@@ -212,20 +194,20 @@ def test_row_not_whole_blocks(tmp_path, data):
 
 
 def test_duplicate_tensor_name(tmp_path, data):
-    pos = _tools().tensor_info_pos(data, "blk.1.attn_norm.weight") + 8
+    pos = tensor_info_pos(data, "blk.1.attn_norm.weight") + 8
     e = _fail(tmp_path, data[:pos] + b"blk.0" + data[pos + 5:])
     assert "duplicate tensor name 'blk.0.attn_norm.weight'" in str(e) and e.offset == pos - 8
 
 
 def test_duplicate_metadata_key(tmp_path, data):
-    pos = _tools().kv_key_pos(data, "tokenizer.ggml.bos_token_id") + 8
+    pos = kv_key_pos(data, "tokenizer.ggml.bos_token_id") + 8
     e = _fail(tmp_path, data[:pos] + b"tokenizer.ggml.eos" + data[pos + 18:])
     assert f"duplicate metadata key 'tokenizer.ggml.eos_token_id' (first at byte offset {pos - 8})" in str(e)
-    assert e.offset == _tools().kv_key_pos(data, "tokenizer.ggml.eos_token_id")
+    assert e.offset == kv_key_pos(data, "tokenizer.ggml.eos_token_id")
 
 
 def test_invalid_utf8_key(tmp_path, data):
-    pos = _tools().kv_key_pos(data, "deepseek4.block_count")
+    pos = kv_key_pos(data, "deepseek4.block_count")
     bad = bytearray(data)
     bad[pos + 8 + 3] = 0xFF
     e = _fail(tmp_path, bytes(bad))
@@ -234,7 +216,7 @@ def test_invalid_utf8_key(tmp_path, data):
 
 
 def test_invalid_utf8_in_string_array(tmp_path, data):
-    first = _tools().kv_value_pos(data, "tokenizer.ggml.tokens") + 12
+    first = kv_value_pos(data, "tokenizer.ggml.tokens") + 12
     # element 0 is "<｜begin▁of▁sentence｜>": its second byte starts the 3-byte "｜"
     bad = bytearray(data)
     bad[first + 8 + 1] = 0xC0
@@ -243,8 +225,8 @@ def test_invalid_utf8_in_string_array(tmp_path, data):
 
 
 def test_bool_byte_not_0_or_1(tmp_path, data):
-    pos = _tools().kv_value_pos(data, "deepseek4.expert_weights_norm")
-    e = _fail(tmp_path, _tools().patch(data, pos, "<B", 2))
+    pos = kv_value_pos(data, "deepseek4.expert_weights_norm")
+    e = _fail(tmp_path, patch(data, pos, "<B", 2))
     assert "metadata 'deepseek4.expert_weights_norm': bool byte is 2, expected 0 or 1" in str(e)
 
 
@@ -272,7 +254,7 @@ def test_missing_empty_and_directory_paths(tmp_path):
 
 
 def test_missing_tensor(tmp_path, data):
-    pos = _tools().tensor_info_pos(data, "blk.1.attn_sinks.weight") + 8
+    pos = tensor_info_pos(data, "blk.1.attn_sinks.weight") + 8
     renamed = data[:pos] + b"blk.1.attn_sinkX.weight" + data[pos + 23:]
     e = _fail(tmp_path, renamed, LayoutError)
     assert "required tensor 'blk.1.attn_sinks.weight' is missing (expected F32 [2])" in str(e)
@@ -285,11 +267,11 @@ def test_misshaped_tensor(tmp_path, data):
     assert "tensor 'blk.2.attn_q_a.weight' has GGUF dims [64, 256], expected [256, 64]" in str(e)
 
 
-def test_wrong_dimension_count(tmp_path, small):
+def test_wrong_dimension_count(tmp_path, small_model_path):
     # the routed gate as 2-D (all experts stacked in one matrix): same bytes, ds4 refuses it
     cfg_rows = 4 * 256
     rows = np.random.default_rng(1).integers(0, 256, size=(cfg_rows, 66), dtype=np.uint8)
-    content = _rewrite(small, tmp_path, replace={"blk.0.ffn_gate_exps.weight": (rows, QT.IQ2_XXS)})
+    content = _rewrite(small_model_path, tmp_path, replace={"blk.0.ffn_gate_exps.weight": (rows, QT.IQ2_XXS)})
     e = _fail(tmp_path, content, LayoutError)
     assert "tensor 'blk.0.ffn_gate_exps.weight' has GGUF dims [256, 1024], expected [256, 256, 4]" in str(e)
 
@@ -300,16 +282,16 @@ def test_wrongly_typed_tensor(tmp_path, data):
     assert "tensor 'blk.0.attn_norm.weight' has type I32, expected F32" in str(e)
 
 
-def test_routed_tensor_of_a_type_ds4_refuses(tmp_path, small):
+def test_routed_tensor_of_a_type_ds4_refuses(tmp_path, small_model_path):
     rows = np.random.default_rng(2).integers(0, 256, size=(4, 256, 8 * 34), dtype=np.uint8)
-    content = _rewrite(small, tmp_path, replace={"blk.2.ffn_up_exps.weight": (rows, QT.Q8_0)})
+    content = _rewrite(small_model_path, tmp_path, replace={"blk.2.ffn_up_exps.weight": (rows, QT.Q8_0)})
     e = _fail(tmp_path, content, LayoutError)
     assert "tensor 'blk.2.ffn_up_exps.weight' has type Q8_0, expected IQ2_XXS or Q2_K or Q4_K" in str(e)
 
 
-def test_gate_up_type_mismatch(tmp_path, small):
+def test_gate_up_type_mismatch(tmp_path, small_model_path):
     rows = np.random.default_rng(3).integers(0, 256, size=(4, 256, 144), dtype=np.uint8)
-    content = _rewrite(small, tmp_path, replace={"blk.3.ffn_up_exps.weight": (rows, QT.Q4_K)})
+    content = _rewrite(small_model_path, tmp_path, replace={"blk.3.ffn_up_exps.weight": (rows, QT.Q4_K)})
     e = _fail(tmp_path, content, LayoutError)
     assert "layer 3: routed gate/up experts use different quant types (ffn_gate_exps is IQ2_XXS, " \
            "ffn_up_exps is Q4_K)" in str(e)
@@ -319,59 +301,61 @@ def test_gate_up_type_mismatch(tmp_path, small):
 
 
 def test_metadata_constant_off(tmp_path, data):
-    pos = _tools().kv_value_pos(data, "deepseek4.rope.freq_base")
-    e = _fail(tmp_path, _tools().patch(data, pos, "<f", 10001.0), LayoutError)
+    pos = kv_value_pos(data, "deepseek4.rope.freq_base")
+    e = _fail(tmp_path, patch(data, pos, "<f", 10001.0), LayoutError)
     assert "metadata 'deepseek4.rope.freq_base' is 10001.0, expected 10000.0" in str(e)
 
 
 def test_compress_ratios_wrong(tmp_path, data):
-    first = _tools().kv_value_pos(data, "deepseek4.attention.compress_ratios") + 12
+    first = kv_value_pos(data, "deepseek4.attention.compress_ratios") + 12
     e = _fail(tmp_path, _u32(data, first + 3 * 4, 4), LayoutError)
     assert "deepseek4.attention.compress_ratios[3] is 4, ds4's fixed schedule needs 128" in str(e)
 
 
-def test_compress_ratios_too_short(tmp_path, small):
+def test_compress_ratios_too_short(tmp_path, small_model_path):
     VT = gguf.GGUFValueType
-    content = _rewrite(small, tmp_path, metadata={"deepseek4.attention.compress_ratios": ([0, 0, 4], VT.ARRAY, VT.UINT32)})
+    short = ([0, 0, 4], VT.ARRAY, VT.UINT32)
+    content = _rewrite(small_model_path, tmp_path, metadata={"deepseek4.attention.compress_ratios": short})
     e = _fail(tmp_path, content, LayoutError)
     assert "compress_ratios has 3 entries, needs at least block_count=4" in str(e)
 
 
 def test_missing_required_key(tmp_path, data):
-    pos = _tools().kv_key_pos(data, "deepseek4.expert_count") + 8
+    pos = kv_key_pos(data, "deepseek4.expert_count") + 8
     renamed = data[:pos] + b"deepseek4.expert_counX" + data[pos + 22:]
     e = _fail(tmp_path, renamed, LayoutError)
     assert "required metadata key 'deepseek4.expert_count' is missing" in str(e)
 
 
-def test_missing_expert_weights_norm(tmp_path, small):
-    e = _fail(tmp_path, _rewrite(small, tmp_path, metadata={"deepseek4.expert_weights_norm": None}), LayoutError)
+def test_missing_expert_weights_norm(tmp_path, small_model_path):
+    content = _rewrite(small_model_path, tmp_path, metadata={"deepseek4.expert_weights_norm": None})
+    e = _fail(tmp_path, content, LayoutError)
     assert "required metadata key 'deepseek4.expert_weights_norm' is missing" in str(e)
 
 
 def test_group_limited_routing_refused(tmp_path, data):
-    pos = _tools().kv_value_pos(data, "deepseek4.expert_group_count")
+    pos = kv_value_pos(data, "deepseek4.expert_group_count")
     e = _fail(tmp_path, _u32(data, pos, 1), LayoutError)
     assert "metadata 'deepseek4.expert_group_count' is 1, expected 0" in str(e)
 
 
-def test_shape_key_declared_with_a_type_ds4_does_not_read(tmp_path, small):
+def test_shape_key_declared_with_a_type_ds4_does_not_read(tmp_path, small_model_path):
     VT = gguf.GGUFValueType
-    content = _rewrite(small, tmp_path, metadata={"deepseek4.expert_count": (4, VT.UINT64, None)})
+    content = _rewrite(small_model_path, tmp_path, metadata={"deepseek4.expert_count": (4, VT.UINT64, None)})
     e = _fail(tmp_path, content, LayoutError)
     assert "metadata 'deepseek4.expert_count' is declared UINT64; ds4 reads it only as UINT32" in str(e)
 
 
 def test_wrong_architecture(tmp_path, data):
-    pos = _tools().kv_value_pos(data, "general.architecture") + 8
+    pos = kv_value_pos(data, "general.architecture") + 8
     e = _fail(tmp_path, data[:pos] + b"deepseek3" + data[pos + 9:], LayoutError)
     assert "general.architecture is 'deepseek3', expected 'deepseek4'" in str(e)
 
 
-def test_real_flash_claim_with_wrong_dims(tmp_path, small):
+def test_real_flash_claim_with_wrong_dims(tmp_path, small_model_path):
     VT = gguf.GGUFValueType
     ratios = [0, 0] + [4 if il % 2 == 0 else 128 for il in range(2, 43)]
-    content = _rewrite(small, tmp_path, metadata={
+    content = _rewrite(small_model_path, tmp_path, metadata={
         "deepseek4.block_count": (43, VT.UINT32, None),
         "deepseek4.attention.compress_ratios": (ratios, VT.ARRAY, VT.UINT32),
         "deepseek4.swiglu_clamp_exp": ([10.0] * 43, VT.ARRAY, VT.FLOAT32),
@@ -387,10 +371,10 @@ def test_huge_corrupt_names_are_cut_short_in_messages(tmp_path):
     assert "has unknown value type 77" in str(e) and "(100000 characters)" in str(e) and len(str(e)) < 400
 
 
-def test_huge_value_where_a_number_belongs_is_cut_short(tmp_path, small):
+def test_huge_value_where_a_number_belongs_is_cut_short(tmp_path, small_model_path):
     VT = gguf.GGUFValueType
-    content = _rewrite(small, tmp_path, metadata={"deepseek4.expert_count": (list(range(50_000)), VT.ARRAY,
-                                                                             VT.UINT32)})
+    huge = (list(range(50_000)), VT.ARRAY, VT.UINT32)
+    content = _rewrite(small_model_path, tmp_path, metadata={"deepseek4.expert_count": huge})
     e = _fail(tmp_path, content, LayoutError)  # with declared types known, the type is named
     assert "metadata 'deepseek4.expert_count' is declared ARRAY of UINT32; ds4 reads it only as UINT32" in str(e)
     (tmp_path / "v.gguf").write_bytes(content)

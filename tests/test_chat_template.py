@@ -41,15 +41,6 @@ A = "<｜Assistant｜>"
 BIG_CTX = 400000
 
 
-@pytest.fixture(scope="module")
-def tok(tokenizer_json_path):
-    mod = pytest.importorskip("ds4_mlx.tokenizer")
-    cls = getattr(mod, "Tokenizer", None)
-    if cls is None:
-        pytest.skip("ds4_mlx.tokenizer.Tokenizer is not available yet")
-    return cls.from_tokenizer_json(tokenizer_json_path)
-
-
 def _spec_fenced(spec: str, label: str) -> str:
     """The escaped one-line constant in the first fenced block after ``label`` in the spec."""
     block = re.compile(r"```\n(.*?)\n```", re.S).search(spec, spec.index(label))
@@ -246,79 +237,80 @@ def test_render_tail_and_assistant_suffix_are_prompt_canonical():
 # CLI token form
 
 
-def test_encode_chat_prompt_structure(tok):
-    sid = tok.special_ids
+def test_encode_chat_prompt_structure(ds4_tokenizer):
+    sid = ds4_tokenizer.special_ids
     user_text = "Ciao <｜User｜> and </think> stay text"
-    ids = encode_chat_prompt(tok, user_text, think=ThinkMode.HIGH)
-    system_ids = tok.encode(DEFAULT_SYSTEM)
-    user_ids = tok.encode(user_text)
-    assert ids == [tok.bos_id, *system_ids, sid["<｜User｜>"], *user_ids, sid["<｜Assistant｜>"], sid["<think>"]]
+    ids = encode_chat_prompt(ds4_tokenizer, user_text, think=ThinkMode.HIGH)
+    system_ids = ds4_tokenizer.encode(DEFAULT_SYSTEM)
+    user_ids = ds4_tokenizer.encode(user_text)
+    assert ids == [ds4_tokenizer.bos_id, *system_ids, sid["<｜User｜>"], *user_ids, sid["<｜Assistant｜>"],
+                   sid["<think>"]]
     assert sid["<｜User｜>"] not in user_ids and sid["</think>"] not in user_ids
-    assert encode_chat_prompt(tok, "q", system="", think="none") == \
-        [tok.bos_id, sid["<｜User｜>"], *tok.encode("q"), sid["<｜Assistant｜>"], sid["</think>"]]
-    max_ids = encode_chat_prompt(tok, "q", system=None, think="max", ctx=BIG_CTX)
-    prefix = tok.encode(MAX_EFFORT_PREFIX)
-    assert max_ids[: 1 + len(prefix)] == [tok.bos_id, *prefix] and max_ids[-1] == sid["<think>"]
-    assert encode_chat_prompt(tok, "q", system=None, think="max", ctx=32768) == \
-        encode_chat_prompt(tok, "q", system=None, think="high")
+    assert encode_chat_prompt(ds4_tokenizer, "q", system="", think="none") == [
+        ds4_tokenizer.bos_id, sid["<｜User｜>"], *ds4_tokenizer.encode("q"), sid["<｜Assistant｜>"], sid["</think>"]]
+    max_ids = encode_chat_prompt(ds4_tokenizer, "q", system=None, think="max", ctx=BIG_CTX)
+    prefix = ds4_tokenizer.encode(MAX_EFFORT_PREFIX)
+    assert max_ids[: 1 + len(prefix)] == [ds4_tokenizer.bos_id, *prefix] and max_ids[-1] == sid["<think>"]
+    assert encode_chat_prompt(ds4_tokenizer, "q", system=None, think="max", ctx=32768) == \
+        encode_chat_prompt(ds4_tokenizer, "q", system=None, think="high")
 
 
-def test_cli_and_server_forms_agree(tok):
+def test_cli_and_server_forms_agree(ds4_tokenizer):
     for think in ("none", "high"):
-        server = tok.encode_rendered(render_messages([{"role": "system", "content": "Be brief."}, user("2+2?")],
-                                                     think=think))
-        assert server == encode_chat_prompt(tok, "2+2?", system="Be brief.", think=think)
+        msgs = [{"role": "system", "content": "Be brief."}, user("2+2?")]
+        server = ds4_tokenizer.encode_rendered(render_messages(msgs, think=think))
+        assert server == encode_chat_prompt(ds4_tokenizer, "2+2?", system="Be brief.", think=think)
 
 
-def test_test_vector_prompt_lengths(tok, shared_dir):
+def test_test_vector_prompt_lengths(ds4_tokenizer, shared_dir):
     manifest = json.loads((shared_dir / "test-vectors" / "manifest.json").read_text())
     checked = 0
     for entry in manifest["prompts"]:
         prompt = (shared_dir / "test-vectors" / entry["prompt_file"]).read_text(encoding="utf-8")
         official = json.loads((shared_dir / "test-vectors" / entry["official_file"]).read_text())
-        ids = encode_chat_prompt(tok, prompt, system="", think=ThinkMode.NONE)
+        ids = encode_chat_prompt(ds4_tokenizer, prompt, system="", think=ThinkMode.NONE)
         assert len(ids) == official["usage"]["prompt_tokens"], entry["id"]
         checked += 1
     assert checked == 5
 
 
-def test_library_append_message(tok):
-    sid = tok.special_ids
+def test_library_append_message(ds4_tokenizer):
+    sid = ds4_tokenizer.special_ids
     toks: list[int] = []
-    append_message(tok, toks, "assistant", "<think>r</think>ans")
+    append_message(ds4_tokenizer, toks, "assistant", "<think>r</think>ans")
     assert toks[0] == sid["<｜Assistant｜>"] and toks[1] != sid["</think>"]
     toks = []
-    append_message(tok, toks, "assistant", "plain")
+    append_message(ds4_tokenizer, toks, "assistant", "plain")
     assert toks[:2] == [sid["<｜Assistant｜>"], sid["</think>"]]
     toks = []
-    append_message(tok, toks, "tool", "out")
-    assert toks == [sid["<｜User｜>"], *tok.encode("Tool: "), *tok.encode("out")]
+    append_message(ds4_tokenizer, toks, "tool", "out")
+    assert toks == [sid["<｜User｜>"], *ds4_tokenizer.encode("Tool: "), *ds4_tokenizer.encode("out")]
     toks = []
-    append_message(tok, toks, "developer", "dev")
-    assert toks == tok.encode("dev")
+    append_message(ds4_tokenizer, toks, "developer", "dev")
+    assert toks == ds4_tokenizer.encode("dev")
 
 
-def test_chat_transcript_multi_turn(tok):
-    sid = tok.special_ids
-    chat = ChatTranscript(tok, system="Sys", think="high", ctx=32768)
+def test_chat_transcript_multi_turn(ds4_tokenizer):
+    sid = ds4_tokenizer.special_ids
+    chat = ChatTranscript(ds4_tokenizer, system="Sys", think="high", ctx=32768)
     first = chat.begin_turn("one")
-    assert first == encode_chat_prompt(tok, "one", system="Sys", think="high")
-    generated = tok.encode_rendered("thinking</think>answer")
+    assert first == encode_chat_prompt(ds4_tokenizer, "one", system="Sys", think="high")
+    generated = ds4_tokenizer.encode_rendered("thinking</think>answer")
     chat.append_generated(generated)
     chat.end_turn()
     second = chat.begin_turn("two")
-    assert second == first + generated + [tok.eos_id, sid["<｜User｜>"], *tok.encode("two"),
+    assert second == first + generated + [ds4_tokenizer.eos_id, sid["<｜User｜>"], *ds4_tokenizer.encode("two"),
                                           sid["<｜Assistant｜>"], sid["<think>"]]
-    assert second == first + generated + encode_next_turn(tok, "two", think="high")
+    assert second == first + generated + encode_next_turn(ds4_tokenizer, "two", think="high")
     # An interrupted turn with nothing generated is rolled back.
-    before = list(chat.tokens[: len(second) - 3 - len(tok.encode("two"))])
+    before = list(chat.tokens[: len(second) - 3 - len(ds4_tokenizer.encode("two"))])
     chat.abort_turn()
     assert chat.tokens == before
     # Switching to Think Max with enough context inserts the prefix right after BOS; back removes it.
     chat.think, chat.ctx = ThinkMode.MAX, BIG_CTX
     third = chat.begin_turn("three")
-    prefix = tok.encode(MAX_EFFORT_PREFIX)
-    assert third[: 1 + len(prefix)] == [tok.bos_id, *prefix]
+    prefix = ds4_tokenizer.encode(MAX_EFFORT_PREFIX)
+    assert third[: 1 + len(prefix)] == [ds4_tokenizer.bos_id, *prefix]
     assert third[1 + len(prefix):][: len(before) - 1] == before[1:]
     chat.abort_turn()
     chat.think = ThinkMode.NONE

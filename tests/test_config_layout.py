@@ -3,11 +3,6 @@ generator's own summary of what it wrote, its README, and the spec's tensor tabl
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import sys
-from pathlib import Path
-
 import gguf
 import numpy as np
 import pytest
@@ -24,30 +19,11 @@ from ds4_mlx.formats.layout import (
     routed_quant_bits,
     validate_layout,
 )
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _fuzz_tools():
-    name = "ds4_fuzz_gguf"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / "fuzz_gguf.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+from ds4_mlx.testing.small_model import build_small_model, rewrite_gguf
 
 
-@pytest.fixture(scope="module")
-def small(tmp_path_factory):
-    """(path, the generator's summary) of the small model without a tokenizer."""
-    d = tmp_path_factory.mktemp("small")
-    path = _fuzz_tools().build_small_model(d / "small.gguf", tokenizer=False, summary_json=d / "summary.json")
-    return path, json.loads((d / "summary.json").read_text())
-
-
-def test_config_matches_generator_summary(small):
-    path, summary = small
+def test_config_matches_generator_summary(small_model_no_tokenizer):
+    path, summary = small_model_no_tokenizer
     with GGUFFile(path) as f:
         cfg = ModelConfig.from_gguf(f)
     for key, want in summary["config"].items():
@@ -58,10 +34,10 @@ def test_config_matches_generator_summary(small):
     assert cfg.swiglu_clamp == (10.0,) * 4
 
 
-def test_expected_tensors_match_generator_table(small):
+def test_expected_tensors_match_generator_table(small_model_no_tokenizer):
     """Every tensor the generator wrote is expected with its type and dims, and every required
     expectation was written: layout.py and the oracle generator describe the same layout."""
-    path, summary = small
+    path, summary = small_model_no_tokenizer
     with GGUFFile(path) as f:
         cfg = ModelConfig.from_gguf(f)
     expected = {e.name: e for e in expected_tensors(cfg)}
@@ -75,8 +51,8 @@ def test_expected_tensors_match_generator_table(small):
     assert set(expected) - set(written) == {f"blk.{il}.exp_probs_b.bias" for il in range(3)}
 
 
-def test_small_model_validates(small):
-    path, _ = small
+def test_small_model_validates(small_model_no_tokenizer):
+    path, _ = small_model_no_tokenizer
     f, cfg, report = load_model_file(path)
     with f:
         assert report.n_checked == len(f.tensors) == 116
@@ -87,8 +63,8 @@ def test_small_model_validates(small):
 
 
 def test_bias_on_every_layer_is_accepted(tmp_path):
-    path = _fuzz_tools().build_small_model(tmp_path / "b.gguf", tokenizer=False,
-                                           extra_args=["--exp-probs-b-all-layers"])
+    path = build_small_model(tmp_path / "b.gguf", tokenizer=False,
+                             extra_args=["--exp-probs-b-all-layers"])
     f, _, report = load_model_file(path)
     f.close()
     assert report.missing_optional == [] and report.n_checked == 119
@@ -126,18 +102,18 @@ def _routed(cfg, kind: str, qtype) -> tuple[np.ndarray, QT]:
 
 
 @pytest.fixture(scope="module")
-def small_cfg(small):
-    with GGUFFile(small[0]) as f:
+def small_cfg(small_model_no_tokenizer):
+    with GGUFFile(small_model_no_tokenizer[0]) as f:
         return ModelConfig.from_gguf(f)
 
 
-def test_q4_routed_experts_give_4_bits(small, small_cfg, tmp_path):
-    path, _ = small
+def test_q4_routed_experts_give_4_bits(small_model_no_tokenizer, small_cfg, tmp_path):
+    path, _ = small_model_no_tokenizer
     replace = {}
     for il in range(small_cfg.n_layer):
         for kind in ("gate", "up", "down"):
             replace[f"blk.{il}.ffn_{kind}_exps.weight"] = _routed(small_cfg, kind, QT.Q4_K)
-    out = _fuzz_tools().rewrite_gguf(path, tmp_path / "q4.gguf", replace=replace)
+    out = rewrite_gguf(path, tmp_path / "q4.gguf", replace=replace)
     f, _, report = load_model_file(out)
     f.close()
     assert report.routed_quant_bits == 4
@@ -147,27 +123,27 @@ def test_q4_routed_experts_give_4_bits(small, small_cfg, tmp_path):
 
 @pytest.mark.parametrize("gate_up,down,bits", [(QT.IQ2_XXS, QT.Q4_K, 2), (QT.Q2_K, QT.Q2_K, 2),
                                                (QT.Q4_K, QT.Q2_K, 4)])
-def test_ds4_accepts_any_routed_type_pairing(small, small_cfg, tmp_path, gate_up, down, bits):
+def test_ds4_accepts_any_routed_type_pairing(small_model_no_tokenizer, small_cfg, tmp_path, gate_up, down, bits):
     """ds4 takes IQ2_XXS, Q2_K or Q4_K for each routed tensor (gate and up equal); the bit width
     follows layer 0's gate alone."""
-    path, _ = small
+    path, _ = small_model_no_tokenizer
     replace = {}
     for il in range(small_cfg.n_layer):
         replace[f"blk.{il}.ffn_gate_exps.weight"] = _routed(small_cfg, "gate", gate_up)
         replace[f"blk.{il}.ffn_up_exps.weight"] = _routed(small_cfg, "up", gate_up)
         replace[f"blk.{il}.ffn_down_exps.weight"] = _routed(small_cfg, "down", down)
-    out = _fuzz_tools().rewrite_gguf(path, tmp_path / "m.gguf", replace=replace)
+    out = rewrite_gguf(path, tmp_path / "m.gguf", replace=replace)
     f, _, report = load_model_file(out)
     f.close()
     assert report.routed_quant_bits == bits
     assert report.routed_types == {"gate": gate_up.name, "up": gate_up.name, "down": down.name}
 
 
-def test_extra_tensors_and_missing_bias_are_warnings(small, small_cfg, tmp_path):
-    path, _ = small
+def test_extra_tensors_and_missing_bias_are_warnings(small_model_no_tokenizer, small_cfg, tmp_path):
+    path, _ = small_model_no_tokenizer
     extra = {"mtp.0.e_proj.weight": (np.zeros((4, 8), np.float32), QT.F32)}
-    out = _fuzz_tools().rewrite_gguf(path, tmp_path / "x.gguf", add=extra, drop={"blk.3.exp_probs_b.bias"},
-                                     replace={"blk.3.ffn_down_exps.weight": _routed(small_cfg, "down", QT.Q4_K)})
+    out = rewrite_gguf(path, tmp_path / "x.gguf", add=extra, drop={"blk.3.exp_probs_b.bias"},
+                       replace={"blk.3.ffn_down_exps.weight": _routed(small_cfg, "down", QT.Q4_K)})
     f, _, report = load_model_file(out)
     f.close()
     assert report.extra_tensors == ["mtp.0.e_proj.weight"]
@@ -248,12 +224,12 @@ def test_float_constants_use_ds4_tolerance_and_config_holds_ds4_values():
         ModelConfig.from_metadata(md, "m")
 
 
-def test_declared_types_follow_ds4(small, tmp_path):
+def test_declared_types_follow_ds4(small_model_no_tokenizer, tmp_path):
     """Floats may be declared f32, f64, u32 or i32 and original_context_length u32 or u64 (ds4's
     readers); the compress ratios may be an i32 array."""
-    path, _ = small
+    path, _ = small_model_no_tokenizer
     VT = gguf.GGUFValueType
-    out = _fuzz_tools().rewrite_gguf(path, tmp_path / "t.gguf", metadata={
+    out = rewrite_gguf(path, tmp_path / "t.gguf", metadata={
         "deepseek4.rope.freq_base": (10000.0, VT.FLOAT64, None),
         "deepseek4.expert_weights_scale": (1.5, VT.FLOAT32, None),
         "deepseek4.rope.scaling.factor": (16, VT.UINT32, None),
@@ -272,13 +248,13 @@ def test_expected_tensor_describe():
     assert e.describe() == "IQ2_XXS/Q4_K [256, 64, 4]" and e.shape == (4, 64, 256) and e.required
 
 
-def test_validate_layout_reports_first_problem_in_binding_order(small, tmp_path):
+def test_validate_layout_reports_first_problem_in_binding_order(small_model_no_tokenizer, tmp_path):
     """Missing tensors are found before misshaped ones, as in ds4 (bind, then validate)."""
-    path, _ = small
+    path, _ = small_model_no_tokenizer
     cfg_src = GGUFFile(path)
     cfg = ModelConfig.from_gguf(cfg_src)
     cfg_src.close()
-    out = _fuzz_tools().rewrite_gguf(path, tmp_path / "two.gguf", drop={"blk.3.ffn_up_shexp.weight"},
-                                     replace={"blk.0.attn_norm.weight": (np.ones(cfg.n_embd, np.float16), QT.F16)})
+    out = rewrite_gguf(path, tmp_path / "two.gguf", drop={"blk.3.ffn_up_shexp.weight"},
+                       replace={"blk.0.attn_norm.weight": (np.ones(cfg.n_embd, np.float16), QT.F16)})
     with GGUFFile(out) as f, pytest.raises(LayoutError, match="blk.3.ffn_up_shexp.weight' is missing"):
         validate_layout(f, cfg)

@@ -46,15 +46,6 @@ def param(name: str, body: str, string: str | None = "true") -> str:
     return f'{PAR} name="{name}"{s}>{body}{PAR_END}\n'
 
 
-@pytest.fixture(scope="module")
-def tok(tokenizer_json_path):
-    mod = pytest.importorskip("ds4_mlx.tokenizer")
-    cls = getattr(mod, "Tokenizer", None)
-    if cls is None:
-        pytest.skip("ds4_mlx.tokenizer.Tokenizer is not available yet")
-    return cls.from_tokenizer_json(tokenizer_json_path)
-
-
 # --------------------------------------------------------------------------------------------
 # Rendering
 
@@ -285,15 +276,15 @@ def test_round_trip_known_lossy_corners():
     assert parse_message(text, False).tool_calls == (ToolCall("f", '{"v":"a</think>b"}'),)
 
 
-def test_round_trip_through_tokenizer(tok):
+def test_round_trip_through_tokenizer(ds4_tokenizer):
     calls = [ToolCall("edit", json.dumps(NASTY_VALUES, ensure_ascii=False))]
     text = "reasoning with <b>tags</b></think>Content & more." + render_tool_calls(calls)
-    ids = tok.encode_rendered(text)
-    dsml_id = tok.special_ids["｜DSML｜"]
+    ids = ds4_tokenizer.encode_rendered(text)
+    dsml_id = ds4_tokenizer.special_ids["｜DSML｜"]
     assert ids.count(dsml_id) == text.count("｜DSML｜")
-    assert tok.decode(ids) == text
-    assert b"".join(tok.token_text(i) for i in ids).decode("utf-8") == text
-    m = parse_message(tok.decode(ids), thinking=True)
+    assert ds4_tokenizer.decode(ids) == text
+    assert b"".join(ds4_tokenizer.token_text(i) for i in ids).decode("utf-8") == text
+    m = parse_message(ds4_tokenizer.decode(ids), thinking=True)
     assert m.reasoning == "reasoning with <b>tags</b>" and m.content == "Content & more."
     assert json.loads(m.tool_calls[0].arguments) == NASTY_VALUES
 
@@ -420,14 +411,14 @@ def test_stream_char_by_char_and_one_piece():
         _check_live_equals_final(stream(text, thinking), text, thinking, len(calls))
 
 
-def test_stream_token_by_token(tok):
+def test_stream_token_by_token(ds4_tokenizer):
     r = random.Random(11)
     for _ in range(15):
         text, thinking, calls = _random_turn(r)
         parser = DsmlStreamParser(thinking)
         events = []
-        for tid in tok.encode_rendered(text):
-            events += parser.feed(tok.token_text(tid))
+        for tid in ds4_tokenizer.encode_rendered(text):
+            events += parser.feed(ds4_tokenizer.token_text(tid))
         events += parser.finish()
         _check_live_equals_final(events, text, thinking, len(calls))
 

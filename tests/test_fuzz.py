@@ -14,12 +14,15 @@ from pathlib import Path
 
 import pytest
 
+from ds4_mlx.testing.small_model import kv_value_pos, patch
+
 REPO = Path(__file__).resolve().parents[1]
 CASES = 400
 PER_CASE_S = 5.0
 
 
 def _tools():
+    """The fuzz engine of scripts/fuzz_gguf.py (a script, so loaded by path)."""
     name = "ds4_fuzz_gguf"
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / "fuzz_gguf.py")
@@ -29,16 +32,11 @@ def _tools():
     return sys.modules[name]
 
 
-@pytest.fixture(scope="module")
-def small(tmp_path_factory) -> Path:
-    return _tools().build_small_model(tmp_path_factory.mktemp("fuzz") / "small.gguf")
-
-
 @pytest.mark.parametrize("seed", [1, 2])
-def test_fuzz_cases_fail_only_with_our_errors(small, tmp_path, seed):
+def test_fuzz_cases_fail_only_with_our_errors(small_model_path, tmp_path, seed):
     tools = _tools()
-    base = small.read_bytes()
-    header_end = tools.header_end_of(small)
+    base = small_model_path.read_bytes()
+    header_end = tools.header_end_of(small_model_path)
     summary = tools.run_fuzz(base, header_end, CASES // 2, seed, tmp_path, per_case_s=PER_CASE_S)
     assert summary["failures"] == [], summary["failures"][:5]
     assert sum(summary["outcomes"].values()) == CASES // 2
@@ -48,11 +46,11 @@ def test_fuzz_cases_fail_only_with_our_errors(small, tmp_path, seed):
     assert all(sum(c.values()) > 0 for c in summary["by_kind"].values())
 
 
-def test_fuzz_reaches_layout_errors(small, tmp_path):
+def test_fuzz_reaches_layout_errors(small_model_path, tmp_path):
     """Value mutations in the metadata must be able to produce a readable-but-invalid file."""
     tools = _tools()
-    base = small.read_bytes()
-    data = tools.patch(base, tools.kv_value_pos(base, "deepseek4.attention.sliding_window"), "<I", 0)
+    base = small_model_path.read_bytes()
+    data = patch(base, kv_value_pos(base, "deepseek4.attention.sliding_window"), "<I", 0)
     p = tmp_path / "x.gguf"
     p.write_bytes(data)
     assert tools.exercise(p) == "layout"
@@ -62,10 +60,10 @@ def test_fuzz_reaches_layout_errors(small, tmp_path):
     assert tools.exercise(p) == "gguf"
 
 
-def test_mutations_are_seeded_and_change_the_file(small):
+def test_mutations_are_seeded_and_change_the_file(small_model_path):
     tools = _tools()
-    base = small.read_bytes()
-    end = tools.header_end_of(small)
+    base = small_model_path.read_bytes()
+    end = tools.header_end_of(small_model_path)
     r1, r2 = random.Random(7), random.Random(7)
     assert [tools.mutate(base, end, r1) for _ in range(20)] == [tools.mutate(base, end, r2) for _ in range(20)]
     rng = random.Random(3)

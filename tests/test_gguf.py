@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import mmap
 import struct
-import sys
 import time
-from pathlib import Path
 
 import gguf
 import numpy as np
@@ -19,26 +16,6 @@ from gguf import GGUFValueType as VT
 from ds4_mlx.errors import GGUFError
 from ds4_mlx.formats.ggml_types import GGMLType
 from ds4_mlx.formats.gguf import GGUFFile, ValueType
-
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _fuzz_tools():
-    """scripts/fuzz_gguf.py holds the small-model builder the GGUF tests share."""
-    name = "ds4_fuzz_gguf"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / "fuzz_gguf.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-@pytest.fixture(scope="module")
-def small_model(tmp_path_factory) -> Path:
-    """4 MiB DS4 layout with a synthetic 512-token vocabulary (string arrays, multi-byte UTF-8)."""
-    return _fuzz_tools().build_small_model(tmp_path_factory.mktemp("small") / "small.gguf")
 
 
 def _write(path, kvs=(), tensors=(), alignment=None, forced_alignment_key=True):
@@ -294,9 +271,9 @@ def _assert_matches_gguf_py(path) -> None:
         assert f.tensor_array(gate.name).shape == (gate.ne[2], gate.ne[1], gate.ne[0] // 256 * 66)
 
 
-def test_small_model_matches_gguf_py(small_model):
-    _assert_matches_gguf_py(small_model)
-    with GGUFFile(small_model) as f:
+def test_small_model_matches_gguf_py(small_model_path):
+    _assert_matches_gguf_py(small_model_path)
+    with GGUFFile(small_model_path) as f:
         assert len(f.metadata["tokenizer.ggml.tokens"]) == 512
         assert "🙂" in f.metadata["tokenizer.ggml.tokens"]
 

@@ -2,37 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 import types
-from pathlib import Path
 
 import gguf
-import pytest
 
 from ds4_mlx.frontends import cli
+from ds4_mlx.testing.small_model import kv_value_pos, patch, tensor_info_pos
 
-REPO = Path(__file__).resolve().parents[1]
 JSON_KEYS = {"path", "file_size", "gguf_version", "alignment", "data_offset", "n_kv", "n_tensors", "metadata",
              "tensors", "type_totals", "tensor_bytes", "n_params", "config", "verdict", "error",
              "routed_quant_bits", "layout", "blas"}
-
-
-def _tools():
-    name = "ds4_fuzz_gguf"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / "fuzz_gguf.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-@pytest.fixture(scope="module")
-def small(tmp_path_factory) -> Path:
-    return _tools().build_small_model(tmp_path_factory.mktemp("inspect") / "small.gguf")
 
 
 def _run(capsys, *argv) -> tuple[int, str, str]:
@@ -41,10 +23,10 @@ def _run(capsys, *argv) -> tuple[int, str, str]:
     return rc, out, err
 
 
-def test_text_report_of_a_valid_model(small, capsys):
-    rc, out, err = _run(capsys, small)
+def test_text_report_of_a_valid_model(small_model_path, capsys):
+    rc, out, err = _run(capsys, small_model_path)
     assert rc == 0 and err == ""
-    assert f"file: {small} ({small.stat().st_size:,} bytes" in out
+    assert f"file: {small_model_path} ({small_model_path.stat().st_size:,} bytes" in out
     assert "gguf: v3, " in out and "116 tensors, alignment 32" in out
     # the vocabulary is summarized: count and first items, never all of it
     line = next(l for l in out.splitlines() if l.lstrip().startswith("tokenizer.ggml.tokens"))
@@ -54,12 +36,12 @@ def test_text_report_of_a_valid_model(small, capsys):
     assert "layout: OK (116 tensors checked)" in out
     assert "routed experts: 2-bit (gate/up IQ2_XXS, down Q2_K)" in out
     assert "n_layer=4" in out and "n_embd=256" in out
-    rc, out2, _ = _run(capsys, small, "--no-tensors")
+    rc, out2, _ = _run(capsys, small_model_path, "--no-tensors")
     assert rc == 0 and "blk.0.ffn_gate_exps.weight" not in out2 and "layout: OK" in out2
 
 
-def test_json_report_of_a_valid_model(small, capsys):
-    rc, out, _ = _run(capsys, small, "--json")
+def test_json_report_of_a_valid_model(small_model_path, capsys):
+    rc, out, _ = _run(capsys, small_model_path, "--json")
     assert rc == 0
     info = json.loads(out)
     assert set(info) == JSON_KEYS
@@ -73,7 +55,7 @@ def test_json_report_of_a_valid_model(small, capsys):
     assert info["metadata"]["deepseek4.block_count"] == {"type": "UINT32", "value": 4}
     assert info["metadata"]["deepseek4.attention.compress_ratios"]["head"] == [0, 0, 4, 128]
     # per-type totals are the sums of the table, and the table agrees with gguf-py
-    reader = gguf.GGUFReader(str(small))
+    reader = gguf.GGUFReader(str(small_model_path))
     by_name = {t.name: t for t in reader.tensors}
     sums: dict[str, list[int]] = {}
     for t in info["tensors"]:
@@ -96,9 +78,9 @@ def test_json_of_the_tiny_model_stays_small(tiny_model_path, capsys):
     assert info["n_tensors"] == 178 and info["verdict"] == "OK"
 
 
-def test_invalid_layout_prints_report_and_exits_1(small, tmp_path, capsys):
-    data = small.read_bytes()
-    pos = _tools().tensor_info_pos(data, "blk.1.attn_sinks.weight") + 8
+def test_invalid_layout_prints_report_and_exits_1(small_model_path, tmp_path, capsys):
+    data = small_model_path.read_bytes()
+    pos = tensor_info_pos(data, "blk.1.attn_sinks.weight") + 8
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(data[:pos] + b"blk.1.attn_sinkX.weight" + data[pos + 23:])
     rc, out, err = _run(capsys, bad)
@@ -112,11 +94,10 @@ def test_invalid_layout_prints_report_and_exits_1(small, tmp_path, capsys):
     assert info["config"]["n_layer"] == 4 and info["layout"] is None and info["routed_quant_bits"] == 2
 
 
-def test_invalid_config_exits_1_without_config(small, tmp_path, capsys):
-    data = small.read_bytes()
-    t = _tools()
+def test_invalid_config_exits_1_without_config(small_model_path, tmp_path, capsys):
+    data = small_model_path.read_bytes()
     bad = tmp_path / "rope.gguf"
-    bad.write_bytes(t.patch(data, t.kv_value_pos(data, "deepseek4.rope.freq_base"), "<f", 10001.0))
+    bad.write_bytes(patch(data, kv_value_pos(data, "deepseek4.rope.freq_base"), "<f", 10001.0))
     rc, out, _ = _run(capsys, bad, "--json")
     info = json.loads(out)
     assert rc == 1 and info["verdict"] == "INVALID" and info["config"] is None
@@ -133,12 +114,12 @@ def test_unreadable_file_is_one_line_and_exit_2(tmp_path, capsys):
     assert rc == 2 and out == "" and "cannot open" in err
 
 
-def test_exit_codes_from_a_real_process(small, tmp_path):
+def test_exit_codes_from_a_real_process(small_model_path, tmp_path):
     def run(*args):
         return subprocess.run([sys.executable, "-m", "ds4_mlx.frontends.cli", "inspect", *map(str, args)],
                               capture_output=True, text=True, timeout=120)
 
-    ok = run(small, "--json")
+    ok = run(small_model_path, "--json")
     assert ok.returncode == 0 and json.loads(ok.stdout)["verdict"] == "OK"
     junk = tmp_path / "j.gguf"
     junk.write_bytes(b"GGUF" + bytes(4))
@@ -146,22 +127,22 @@ def test_exit_codes_from_a_real_process(small, tmp_path):
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "unsupported GGUF version 0" in bad.stderr
 
 
-def test_blas_status_is_reported_when_available(small, capsys, monkeypatch):
+def test_blas_status_is_reported_when_available(small_model_path, capsys, monkeypatch):
     fake = types.ModuleType("ds4_mlx.blas")
     fake.status = lambda: {"blas": "fake", "threads": 3}
     monkeypatch.setitem(sys.modules, "ds4_mlx.blas", fake)
-    rc, out, _ = _run(capsys, small, "--json")
+    rc, out, _ = _run(capsys, small_model_path, "--json")
     assert rc == 0 and json.loads(out)["blas"] == {"blas": "fake", "threads": 3}
-    rc, out, _ = _run(capsys, small, "--no-tensors")
+    rc, out, _ = _run(capsys, small_model_path, "--no-tensors")
     assert 'blas: {"blas": "fake", "threads": 3}' in out
 
     def broken():
         raise RuntimeError("no library")
 
     fake.status = broken
-    rc, out, _ = _run(capsys, small, "--json")
+    rc, out, _ = _run(capsys, small_model_path, "--json")
     assert rc == 0 and json.loads(out)["blas"] == {"error": "ds4_mlx.blas.status() failed: RuntimeError: no library"}
 
     monkeypatch.setitem(sys.modules, "ds4_mlx.blas", None)  # as if the module did not exist
-    rc, out, _ = _run(capsys, small, "--json")
+    rc, out, _ = _run(capsys, small_model_path, "--json")
     assert rc == 0 and json.loads(out)["blas"] is None

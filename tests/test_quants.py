@@ -463,19 +463,20 @@ def _ref_dot_q2_k(row: np.ndarray, q: np.ndarray, d: np.ndarray) -> np.float32:
     return sumf
 
 
-def _ref_dot_iq2_xxs(row: np.ndarray, q: np.ndarray, d: np.ndarray) -> np.float32:
+def _iq2_xxs_group_sums(row: np.ndarray, q: np.ndarray, d: np.ndarray):
+    """Per 256-element block: (f16(w.d) * y.d as f32, [(exact integer dot of one group of 32 signed grid
+    values with its activations, the group's 4-bit scale)] * 8). ds4's portable and NEON loops compute
+    the same integers; they differ only in how they scale and add them up."""
     grid = iq2xxs_tables.IQ2XXS_GRID
     ksigns = iq2xxs_tables.KSIGNS_IQ2XS
-    sumf = np.float32(0)
     for i in range(row.size // 66):
         blk = row[i * 66 : i * 66 + 66]
         dd = np.float32(_f16(blk[0], blk[1]) * d[i])
         q8 = q[i * 256 : i * 256 + 256].astype(int)
-        bsum = 0
+        groups = []
         for ib in range(8):
             g = blk[2 + 8 * ib : 2 + 8 * ib + 8]
             aux1 = int(g[4]) | int(g[5]) << 8 | int(g[6]) << 16 | int(g[7]) << 24
-            ls = 2 * (aux1 >> 28) + 1
             sumi = 0
             for l in range(4):
                 signs = ksigns[(aux1 >> (7 * l)) & 127]
@@ -484,7 +485,15 @@ def _ref_dot_iq2_xxs(row: np.ndarray, q: np.ndarray, d: np.ndarray) -> np.float3
                     v = (mags >> (8 * k)) & 0xFF
                     v = -v if signs & (1 << k) else v
                     sumi += v * int(q8[32 * ib + 8 * l + k])
-            bsum += sumi * ls
+            groups.append((sumi, aux1 >> 28))
+        yield dd, groups
+
+
+def _ref_dot_iq2_xxs(row: np.ndarray, q: np.ndarray, d: np.ndarray) -> np.float32:
+    """Portable: integer block sum of sumi * (2 * scale + 1), then 0.125 * sum of dd * bsum."""
+    sumf = np.float32(0)
+    for dd, groups in _iq2_xxs_group_sums(row, q, d):
+        bsum = sum(sumi * (2 * s + 1) for sumi, s in groups)
         sumf = np.float32(sumf + np.float32(dd * np.float32(bsum)))
     return np.float32(np.float32(0.125) * sumf)
 
@@ -622,24 +631,12 @@ def _ref_dot_q2_k_neon(row: np.ndarray, q: np.ndarray, d: np.ndarray) -> np.floa
 
 
 def _ref_dot_iq2_xxs_neon(row: np.ndarray, q: np.ndarray, d: np.ndarray) -> np.float32:
-    grid = iq2xxs_tables.IQ2XXS_GRID
-    ksigns = iq2xxs_tables.KSIGNS_IQ2XS
+    """NEON: float sums of sumi * (0.5 + scale), even and odd groups apart, then 0.25 * sum of dd * (s1 + s2)."""
     sumf = np.float32(0)
-    for i in range(row.size // 66):
-        blk = row[i * 66 : i * 66 + 66]
-        dd = np.float32(_f16(blk[0], blk[1]) * d[i])
-        q8 = q[i * 256 : i * 256 + 256].astype(int)
+    for dd, groups in _iq2_xxs_group_sums(row, q, d):
         s12 = [np.float32(0), np.float32(0)]
-        for ib in range(8):
-            g = blk[2 + 8 * ib : 2 + 8 * ib + 8].astype(int)
-            aux1 = int(g[4]) | int(g[5]) << 8 | int(g[6]) << 16 | int(g[7]) << 24
-            p = 0
-            for l in range(4):
-                signs = ksigns[(aux1 >> (7 * l)) & 127]
-                for k in range(8):
-                    v = (grid[g[l]] >> (8 * k)) & 0xFF
-                    p += (-v if signs & (1 << k) else v) * int(q8[32 * ib + 8 * l + k])
-            s12[ib % 2] = np.float32(s12[ib % 2] + np.float32(np.float32(p) * np.float32(0.5 + (aux1 >> 28))))
+        for ib, (p, s) in enumerate(groups):
+            s12[ib % 2] = np.float32(s12[ib % 2] + np.float32(np.float32(p) * np.float32(0.5 + s)))
         sumf = np.float32(sumf + np.float32(dd * np.float32(s12[0] + s12[1])))
     return np.float32(np.float32(0.25) * sumf)
 

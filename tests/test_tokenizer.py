@@ -24,24 +24,8 @@ hf_tokenizers = pytest.importorskip("tokenizers")
 
 
 @pytest.fixture(scope="module")
-def tok(tokenizer_json_path) -> Tokenizer:
-    return Tokenizer.from_tokenizer_json(tokenizer_json_path)
-
-
-@pytest.fixture(scope="module")
-def hf(tokenizer_json_path):
-    return hf_tokenizers.Tokenizer.from_file(str(tokenizer_json_path))
-
-
-@pytest.fixture(scope="module")
 def tj(tokenizer_json_path) -> dict:
     return json.loads(tokenizer_json_path.read_text(encoding="utf-8"))
-
-
-@pytest.fixture(scope="module")
-def hf_plain(tj):
-    """HF on the same tokenizer.json without added tokens: the oracle for plain ``encode``."""
-    return hf_tokenizers.Tokenizer.from_str(json.dumps(dict(tj, added_tokens=[])))
 
 
 def hf_pieces(hf, text: str) -> list[str]:
@@ -125,10 +109,10 @@ def test_bpe_short_and_long_paths_equal_reference():
                 assert "".join(inv[i] for i in expected) == text
 
 
-def test_bpe_long_path_equals_short_path_on_real_vocab(tok):
+def test_bpe_long_path_equals_short_path_on_real_vocab(ds4_tokenizer):
     rng = random.Random(11)
     words = "precipitevolissimevolmente antidisestablishmentarianism Donaudampfschiffahrt ñandú 東京".split()
-    bpe = tok._bpe
+    bpe = ds4_tokenizer._bpe
     for _ in range(30):
         text = "".join(rng.choice(words) for _ in range(rng.randint(2, 12)))
         ids = [bpe._char_id[c] for c in bytes_to_unicode(text.encode())]
@@ -162,19 +146,19 @@ def test_bpe_needs_every_byte():
         BPE(vocab, [])
 
 
-def test_huge_single_piece_is_not_quadratic(tok, hf):
+def test_huge_single_piece_is_not_quadratic(ds4_tokenizer, hf_tokenizer):
     """A run of letters is one pre-token piece; BPE on it must stay ~n log n (a quadratic merge
     would need minutes for 256 KB)."""
     rng = random.Random(3)
     alphabet = "abcdefghilmnoprstuvzàèéìòù"
     text = "".join(rng.choice(alphabet) for _ in range(256 * 1024))
-    assert len(tok.pre_tokenize(text)) == 1
+    assert len(ds4_tokenizer.pre_tokenize(text)) == 1
     times = {}
     for n in (64 * 1024, 256 * 1024):
         t0 = time.perf_counter()
-        ids = tok.encode(text[:n])
+        ids = ds4_tokenizer.encode(text[:n])
         times[n] = time.perf_counter() - t0
-        assert ids == hf.encode(text[:n], add_special_tokens=False).ids
+        assert ids == hf_tokenizer.encode(text[:n], add_special_tokens=False).ids
     assert times[256 * 1024] < 60, times
     # 4x the input: ~4.5x the time for n log n, 16x for quadratic; wide margin for a busy machine
     assert times[256 * 1024] < 10 * times[64 * 1024] + 0.5, times
@@ -218,17 +202,17 @@ TRICKY = [
 
 
 @pytest.mark.parametrize("text", TRICKY)
-def test_pretokenizer_matches_hf(tok, hf, hf_plain, text):
+def test_pretokenizer_matches_hf(ds4_tokenizer, hf_tokenizer, hf_plain_tokenizer, text):
     from ds4_mlx.tokenizer.byte_map import text_to_unicode
 
-    pieces = tok.pre_tokenize(text)
+    pieces = ds4_tokenizer.pre_tokenize(text)
     assert "".join(pieces) == text
-    assert [text_to_unicode(p) for p in pieces] == hf_pieces(hf, text)
-    assert tok.encode(text) == hf_plain.encode(text, add_special_tokens=False).ids
-    assert tok.encode_hf_compatible(text) == hf.encode(text, add_special_tokens=False).ids
+    assert [text_to_unicode(p) for p in pieces] == hf_pieces(hf_tokenizer, text)
+    assert ds4_tokenizer.encode(text) == hf_plain_tokenizer.encode(text, add_special_tokens=False).ids
+    assert ds4_tokenizer.encode_hf_compatible(text) == hf_tokenizer.encode(text, add_special_tokens=False).ids
 
 
-def test_pretokenizer_code_point_sample_matches_hf(tok, hf):
+def test_pretokenizer_code_point_sample_matches_hf(ds4_tokenizer, hf_tokenizer):
     """Every code point whose class ``regex`` and HF disagree on, plus a seeded random sample, in
     contexts that exercise each alternative of the third Split regex."""
     from ds4_mlx.tokenizer.byte_map import text_to_unicode
@@ -240,7 +224,7 @@ def test_pretokenizer_code_point_sample_matches_hf(tok, hf):
     contexts = ["a{c}b", " {c} ", "{c}{c}1", "x {c}\n", ".{c}!", "  {c}  x"]
     for k in range(0, len(cps), 2000):
         text = "一".join(ctx.format(c=chr(cp)) for cp in cps[k : k + 2000] for ctx in contexts)
-        assert [text_to_unicode(p) for p in tok.pre_tokenize(text)] == hf_pieces(hf, text)
+        assert [text_to_unicode(p) for p in ds4_tokenizer.pre_tokenize(text)] == hf_pieces(hf_tokenizer, text)
 
 
 def test_unknown_patterns_compile_with_regex_tables():
@@ -269,61 +253,62 @@ def test_pretokenizer_config_errors(config, needle):
 # -- specials and added tokens -------------------------------------------------------------------
 
 
-def test_special_ids_match_official_table(tok, tj):
+def test_special_ids_match_official_table(ds4_tokenizer, tj):
     by_content = {a["content"]: a["id"] for a in tj["added_tokens"]}
-    ids = tok.special_ids
+    ids = ds4_tokenizer.special_ids
     assert set(ids) == set(SPECIAL_STRINGS.values())
     for s, tid in ids.items():
         assert by_content[s] == tid
     # spec §11.3 (BOS/EOS from the HF config, User/Assistant from vLLM, the rest reported values)
-    assert (tok.bos_id, tok.eos_id) == (0, 1)
+    assert (ds4_tokenizer.bos_id, ds4_tokenizer.eos_id) == (0, 1)
     assert [ids[SPECIAL_STRINGS[k]] for k in ("user", "assistant", "think_start", "think_end", "dsml")] == [
         128803, 128804, 128821, 128822, 128825]
-    assert tok.vocab_size == 129280
+    assert ds4_tokenizer.vocab_size == 129280
 
 
-def test_encode_does_not_recognise_specials(tok, hf_plain):
+def test_encode_does_not_recognise_specials(ds4_tokenizer, hf_plain_tokenizer):
     text = "<｜User｜>hi<think>"
-    ids = tok.encode(text)
-    assert ids == hf_plain.encode(text, add_special_tokens=False).ids
-    assert tok.special_ids["<｜User｜>"] not in ids and tok.special_ids["<think>"] not in ids
-    assert tok.decode(ids) == text
+    ids = ds4_tokenizer.encode(text)
+    assert ids == hf_plain_tokenizer.encode(text, add_special_tokens=False).ids
+    assert ds4_tokenizer.special_ids["<｜User｜>"] not in ids and ds4_tokenizer.special_ids["<think>"] not in ids
+    assert ds4_tokenizer.decode(ids) == text
 
 
-def test_encode_rendered_dsml_example(tok):
+def test_encode_rendered_dsml_example(ds4_tokenizer):
     """Spec §11.4: ``<｜DSML｜tool_calls>`` -> BPE("<") + DSML + BPE("tool_calls>")."""
-    dsml = tok.special_ids["｜DSML｜"]
-    assert tok.encode_rendered("<｜DSML｜tool_calls>") == tok.encode("<") + [dsml] + tok.encode("tool_calls>")
-    assert tok.encode_rendered("</｜DSML｜parameter>") == tok.encode("</") + [dsml] + tok.encode("parameter>")
+    dsml = ds4_tokenizer.special_ids["｜DSML｜"]
+    enc = ds4_tokenizer.encode
+    assert ds4_tokenizer.encode_rendered("<｜DSML｜tool_calls>") == enc("<") + [dsml] + enc("tool_calls>")
+    assert ds4_tokenizer.encode_rendered("</｜DSML｜parameter>") == enc("</") + [dsml] + enc("parameter>")
 
 
-def test_encode_rendered_recognises_exactly_seven(tok, hf):
+def test_encode_rendered_recognises_exactly_seven(ds4_tokenizer, hf_tokenizer):
     s = SPECIAL_STRINGS
     text = (s["bos"] + "sys" + s["user"] + "q <｜fim▁hole｜> <｜tool▁calls▁begin｜>" + s["assistant"] + s["think_start"]
             + "r" + s["think_end"] + "a｜DSML｜b" + s["eos"])
-    ids = tok.encode_rendered(text)
-    specials = set(tok.special_ids.values())
+    ids = ds4_tokenizer.encode_rendered(text)
+    specials = set(ds4_tokenizer.special_ids.values())
     assert [i for i in ids if i in specials] == [0, 128803, 128804, 128821, 128822, 128825, 1]
     # the other added tokens stay text here, but HF (and encode_hf_compatible) cut them out
     assert 128800 not in ids and 128806 not in ids
-    hf_ids = hf.encode(text, add_special_tokens=False).ids
+    hf_ids = hf_tokenizer.encode(text, add_special_tokens=False).ids
     assert 128800 in hf_ids and 128806 in hf_ids
-    assert tok.encode_hf_compatible(text) == hf_ids
-    assert tok.decode(ids) == text
+    assert ds4_tokenizer.encode_hf_compatible(text) == hf_ids
+    assert ds4_tokenizer.decode(ids) == text
 
 
-def test_system_marker_is_plain_text_everywhere(tok, hf, hf_plain):
+def test_system_marker_is_plain_text_everywhere(ds4_tokenizer, hf_tokenizer, hf_plain_tokenizer):
     """``<｜System｜>`` (spec §11.3) is not in the V4 vocabulary at all: HF, ds4 and all three of our
     encoders BPE it as text."""
-    assert tok.token_to_id("<｜System｜>") is None
+    assert ds4_tokenizer.token_to_id("<｜System｜>") is None
     text = "<｜System｜>be brief<｜User｜>hi"
-    want = hf.encode(text, add_special_tokens=False).ids
-    assert want[: len(tok.encode("<｜System｜>be brief"))] == tok.encode("<｜System｜>be brief")
-    assert tok.encode_rendered(text) == tok.encode_hf_compatible(text) == want
-    assert tok.encode(text) == hf_plain.encode(text, add_special_tokens=False).ids
+    want = hf_tokenizer.encode(text, add_special_tokens=False).ids
+    assert want[: len(ds4_tokenizer.encode("<｜System｜>be brief"))] == ds4_tokenizer.encode("<｜System｜>be brief")
+    assert ds4_tokenizer.encode_rendered(text) == ds4_tokenizer.encode_hf_compatible(text) == want
+    assert ds4_tokenizer.encode(text) == hf_plain_tokenizer.encode(text, add_special_tokens=False).ids
 
 
-def test_encode_hf_compatible_many_added_tokens(tok, hf, tj):
+def test_encode_hf_compatible_many_added_tokens(ds4_tokenizer, hf_tokenizer, tj):
     rng = random.Random(9)
     contents = [a["content"] for a in tj["added_tokens"]]
     parts = []
@@ -337,7 +322,7 @@ def test_encode_hf_compatible_many_added_tokens(tok, hf, tj):
         else:
             parts.append(rng.choice(["x", " ", "\n", "<", "｜", "hello ", "12", "<|", "|>"]))
     text = "".join(parts) + "<｜/table>｜DSML｜"
-    assert tok.encode_hf_compatible(text) == hf.encode(text, add_special_tokens=False).ids
+    assert ds4_tokenizer.encode_hf_compatible(text) == hf_tokenizer.encode(text, add_special_tokens=False).ids
 
 
 def test_literal_matcher_leftmost_longest():
@@ -352,39 +337,39 @@ def test_literal_matcher_leftmost_longest():
 # -- decoding ------------------------------------------------------------------------------------
 
 
-def test_token_text_semantics(tok):
-    assert tok.token_text(0) == "<｜begin▁of▁sentence｜>".encode()
-    assert tok.token_text(128825) == "｜DSML｜".encode()
-    assert tok.token_text(128821) == b"<think>"
-    assert tok.piece(tok.encode(" hello")[0]) == "Ġhello"
-    assert tok.token_text(tok.encode(" hello")[0]) == b" hello"
-    emoji = tok.encode("🙂")
-    assert b"".join(tok.token_text(i) for i in emoji) == "🙂".encode()
+def test_token_text_semantics(ds4_tokenizer):
+    assert ds4_tokenizer.token_text(0) == "<｜begin▁of▁sentence｜>".encode()
+    assert ds4_tokenizer.token_text(128825) == "｜DSML｜".encode()
+    assert ds4_tokenizer.token_text(128821) == b"<think>"
+    assert ds4_tokenizer.piece(ds4_tokenizer.encode(" hello")[0]) == "Ġhello"
+    assert ds4_tokenizer.token_text(ds4_tokenizer.encode(" hello")[0]) == b" hello"
+    emoji = ds4_tokenizer.encode("🙂")
+    assert b"".join(ds4_tokenizer.token_text(i) for i in emoji) == "🙂".encode()
     with pytest.raises(TokenizerError, match="out of range"):
-        tok.token_text(tok.vocab_size)
+        ds4_tokenizer.token_text(ds4_tokenizer.vocab_size)
     with pytest.raises(TokenizerError, match="out of range"):
-        tok.piece(-1)
+        ds4_tokenizer.piece(-1)
 
 
-def test_decode_matches_hf(tok, hf):
+def test_decode_matches_hf(ds4_tokenizer, hf_tokenizer):
     rng = random.Random(2)
     for _ in range(50):
-        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 30))]
-        assert tok.decode(ids) == hf.decode(ids, skip_special_tokens=False)
+        ids = [rng.randrange(ds4_tokenizer.vocab_size) for _ in range(rng.randint(1, 30))]
+        assert ds4_tokenizer.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=False)
     text = "Ciao 👋🏽 — 東京 <｜User｜>"
-    assert tok.decode(tok.encode_rendered(text)) == text
+    assert ds4_tokenizer.decode(ds4_tokenizer.encode_rendered(text)) == text
 
 
-def test_lone_surrogate_is_a_tokenizer_error(tok):
+def test_lone_surrogate_is_a_tokenizer_error(ds4_tokenizer):
     with pytest.raises(TokenizerError, match="U\\+D800 at index 3"):
-        tok.encode("abc\ud800def")
+        ds4_tokenizer.encode("abc\ud800def")
     with pytest.raises(TokenizerError, match="lone surrogate"):
-        tok.encode_rendered("<think>\udfff")
+        ds4_tokenizer.encode_rendered("<think>\udfff")
 
 
-def test_token_to_id(tok):
-    assert tok.token_to_id("Ġhello") == tok.encode(" hello")[0]
-    assert tok.token_to_id("no such token at all") is None
+def test_token_to_id(ds4_tokenizer):
+    assert ds4_tokenizer.token_to_id("Ġhello") == ds4_tokenizer.encode(" hello")[0]
+    assert ds4_tokenizer.token_to_id("no such token at all") is None
 
 
 # -- loading -------------------------------------------------------------------------------------
@@ -503,21 +488,21 @@ def test_from_tokenizer_json_errors(tmp_path, tj):
             Tokenizer.from_tokenizer_json(p)
 
 
-def test_from_gguf_equals_tokenizer_json(tok, tiny_model_path):
+def test_from_gguf_equals_tokenizer_json(ds4_tokenizer, tiny_model_path):
     from ds4_mlx.formats.gguf import GGUFFile
 
     g = Tokenizer.from_gguf(tiny_model_path)
     with GGUFFile(tiny_model_path) as f:
         g2 = Tokenizer.from_gguf(f)
-    assert g.vocab_size == g2.vocab_size == tok.vocab_size
-    assert all(g.piece(i) == tok.piece(i) for i in range(tok.vocab_size))
-    assert g.special_ids == tok.special_ids == g2.special_ids
+    assert g.vocab_size == g2.vocab_size == ds4_tokenizer.vocab_size
+    assert all(g.piece(i) == ds4_tokenizer.piece(i) for i in range(ds4_tokenizer.vocab_size))
+    assert g.special_ids == ds4_tokenizer.special_ids == g2.special_ids
     # GGUF added tokens: every CONTROL / USER_DEFINED entry, the same set as the JSON's added_tokens
-    assert {(a.content, a.id) for a in g.added_tokens} == {(a.content, a.id) for a in tok.added_tokens}
+    assert {(a.content, a.id) for a in g.added_tokens} == {(a.content, a.id) for a in ds4_tokenizer.added_tokens}
     text = "Ciao <｜/table>｜DSML｜ <｜fim▁hole｜> 東京 123456 👍🏽\n\n  x"
-    assert g.encode(text) == tok.encode(text)
-    assert g.encode_hf_compatible(text) == tok.encode_hf_compatible(text)
-    assert g.encode_rendered(text) == tok.encode_rendered(text)
+    assert g.encode(text) == ds4_tokenizer.encode(text)
+    assert g.encode_hf_compatible(text) == ds4_tokenizer.encode_hf_compatible(text)
+    assert g.encode_rendered(text) == ds4_tokenizer.encode_rendered(text)
 
 
 def test_from_gguf_bad_argument():

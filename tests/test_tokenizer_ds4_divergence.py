@@ -13,19 +13,7 @@ import json
 
 import pytest
 
-from ds4_mlx.tokenizer import Tokenizer
-
 hf_tokenizers = pytest.importorskip("tokenizers")
-
-
-@pytest.fixture(scope="module")
-def tok(tokenizer_json_path) -> Tokenizer:
-    return Tokenizer.from_tokenizer_json(tokenizer_json_path)
-
-
-@pytest.fixture(scope="module")
-def hf(tokenizer_json_path):
-    return hf_tokenizers.Tokenizer.from_file(str(tokenizer_json_path))
 
 
 def golden(oracle_dir, case: str) -> tuple[dict, str]:
@@ -35,11 +23,11 @@ def golden(oracle_dir, case: str) -> tuple[dict, str]:
     return g, text
 
 
-def test_dev_long_follows_hf_not_ds4(tok, hf, oracle_dir):
+def test_dev_long_follows_hf_not_ds4(ds4_tokenizer, hf_tokenizer, oracle_dir):
     g, text = golden(oracle_dir, "dev_long")
     ds4 = g["prompt_tokens"]
-    ours = tok.encode_rendered(text)  # the prompt starts with the literal BOS string
-    assert ours == hf.encode(text, add_special_tokens=False).ids
+    ours = ds4_tokenizer.encode_rendered(text)  # the prompt starts with the literal BOS string
+    assert ours == hf_tokenizer.encode(text, add_special_tokens=False).ids
     assert ours == g["hf_tokenizers_ids_for_rendered_text"]
     assert (len(ds4), len(ours)) == (733, 729)
 
@@ -48,8 +36,8 @@ def test_dev_long_follows_hf_not_ds4(tok, hf, oracle_dir):
     seen = []
     for kind, i1, i2, j1, j2 in ops:
         assert kind == "replace"
-        ds4_parts = [tok.decode([t]) for t in ds4[i1:i2]]
-        our_parts = [tok.decode([t]) for t in ours[j1:j2]]
+        ds4_parts = [ds4_tokenizer.decode([t]) for t in ds4[i1:i2]]
+        our_parts = [ds4_tokenizer.decode([t]) for t in ours[j1:j2]]
         assert "".join(ds4_parts) == "".join(our_parts), "same text, different split"
         assert len(our_parts) == 1
         piece = our_parts[0]
@@ -65,15 +53,15 @@ def test_dev_long_follows_hf_not_ds4(tok, hf, oracle_dir):
 
 
 @pytest.mark.parametrize("case", ["raw_short", "chat_nothink"])
-def test_oracle_cases_where_ds4_agrees(tok, oracle_dir, case):
+def test_oracle_cases_where_ds4_agrees(ds4_tokenizer, oracle_dir, case):
     g, text = golden(oracle_dir, case)
     assert g["hf_tokenizers_agree"] is True
     if g["chat"]:
         text = g["chat"]["rendered_text"]
-    assert tok.encode_rendered(text) == g["prompt_tokens"] == g["hf_tokenizers_ids_for_rendered_text"]
+    assert ds4_tokenizer.encode_rendered(text) == g["prompt_tokens"] == g["hf_tokenizers_ids_for_rendered_text"]
 
 
-def test_pieces_at_the_divergence(tok):
+def test_pieces_at_the_divergence(ds4_tokenizer):
     """The pre-token pieces behind the dev_long difference, spelled out."""
-    assert tok.pre_tokenize("cosa.»\n\nE poi") == ["cosa", ".»\n\n", "E", " poi"]
-    assert tok.pre_tokenize("«sì»\nfine") == ["«", "sì", "»\n", "fine"]
+    assert ds4_tokenizer.pre_tokenize("cosa.»\n\nE poi") == ["cosa", ".»\n\n", "E", " poi"]
+    assert ds4_tokenizer.pre_tokenize("«sì»\nfine") == ["«", "sì", "»\n", "fine"]

@@ -29,22 +29,6 @@ hf_tokenizers = pytest.importorskip("tokenizers")
 MIN_CORPUS_BYTES = 1_000_000
 
 
-@pytest.fixture(scope="module")
-def tok(tokenizer_json_path) -> Tokenizer:
-    return Tokenizer.from_tokenizer_json(tokenizer_json_path)
-
-
-@pytest.fixture(scope="module")
-def hf(tokenizer_json_path):
-    return hf_tokenizers.Tokenizer.from_file(str(tokenizer_json_path))
-
-
-@pytest.fixture(scope="module")
-def hf_plain(tokenizer_json_path):
-    tj = json.loads(tokenizer_json_path.read_text(encoding="utf-8"))
-    return hf_tokenizers.Tokenizer.from_str(json.dumps(dict(tj, added_tokens=[])))
-
-
 # -- corpus --------------------------------------------------------------------------------------
 
 CHINESE = [
@@ -303,7 +287,7 @@ def first_difference(tok: Tokenizer, oracle, text: str, ours_ids: list[int], hf_
     return f"first differing id at #{k}: ours {ours_ids[k:k + 5]} vs HF {ref[k:k + 5]} near {near!r}"
 
 
-def test_corpus_exact(tok, hf, hf_plain, shared_dir):
+def test_corpus_exact(ds4_tokenizer, hf_tokenizer, hf_plain_tokenizer, shared_dir):
     sections = build_corpus(shared_dir)
     total_bytes = sum(len(t.encode("utf-8")) for _, t in sections)
     assert total_bytes >= MIN_CORPUS_BYTES
@@ -311,21 +295,24 @@ def test_corpus_exact(tok, hf, hf_plain, shared_dir):
     texts = [c for _, c in labelled]
 
     t0 = time.perf_counter()
-    plain_ref = [e.ids for e in hf_plain.encode_batch(texts, add_special_tokens=False)]
-    full_ref = [e.ids for e in hf.encode_batch(texts, add_special_tokens=False)]
+    plain_ref = [e.ids for e in hf_plain_tokenizer.encode_batch(texts, add_special_tokens=False)]
+    full_ref = [e.ids for e in hf_tokenizer.encode_batch(texts, add_special_tokens=False)]
     t_hf = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     mismatches = []
     n_tokens = 0
     for (label, text), want_plain, want_full in zip(labelled, plain_ref, full_ref):
-        got = tok.encode(text)
+        got = ds4_tokenizer.encode(text)
         n_tokens += len(got)
         if got != want_plain:
-            mismatches.append(f"[{label}] encode: {first_difference(tok, hf_plain, text, got, False)}")
-        got_full = got if want_full == want_plain and not _has_added_candidate(text) else tok.encode_hf_compatible(text)
+            where = first_difference(ds4_tokenizer, hf_plain_tokenizer, text, got, False)
+            mismatches.append(f"[{label}] encode: {where}")
+        same = want_full == want_plain and not _has_added_candidate(text)
+        got_full = got if same else ds4_tokenizer.encode_hf_compatible(text)
         if got_full != want_full:
-            mismatches.append(f"[{label}] encode_hf_compatible: {first_difference(tok, hf, text, got_full, True)}")
+            where = first_difference(ds4_tokenizer, hf_tokenizer, text, got_full, True)
+            mismatches.append(f"[{label}] encode_hf_compatible: {where}")
     t_ours = time.perf_counter() - t0
     print(f"\ncorpus: {total_bytes} bytes, {len(texts)} paragraphs, {n_tokens} tokens; "
           f"ours {t_ours:.1f} s (both encoders), HF {t_hf:.1f} s (two batches); mismatches {len(mismatches)}")
@@ -338,13 +325,13 @@ def _has_added_candidate(text: str) -> bool:
     return "<" in text or "｜" in text
 
 
-def test_whole_texts_exact(tok, hf_plain, shared_dir):
+def test_whole_texts_exact(ds4_tokenizer, hf_plain_tokenizer, shared_dir):
     """Without paragraph cuts: pieces that span blank lines, runs of newlines, file ends."""
     text = (shared_dir / "bench-data" / "long_context_story_prompt.txt").read_text(encoding="utf-8")
-    assert tok.encode(text) == hf_plain.encode(text, add_special_tokens=False).ids
+    assert ds4_tokenizer.encode(text) == hf_plain_tokenizer.encode(text, add_special_tokens=False).ids
     sections = build_corpus(shared_dir)
     mixed = "".join(t[:5000] for _, t in sections)
-    assert tok.encode(mixed) == hf_plain.encode(mixed, add_special_tokens=False).ids
+    assert ds4_tokenizer.encode(mixed) == hf_plain_tokenizer.encode(mixed, add_special_tokens=False).ids
 
 
 def test_official_prompt_token_counts(tiny_model_path, shared_dir):
