@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 import re
 
 import pytest
@@ -90,3 +91,34 @@ def test_continued_saves_and_exit_save(capsys, tiny_model_path, text, tmp_path):
 def test_bad_continued_interval(capsys, tiny_model_path):
     rc = main(["generate", "-m", str(tiny_model_path), "-p", "x", "--kv-cache-continued-interval-tokens", "-1"])
     assert rc == 2 and "--kv-cache-continued-interval-tokens must be >= 0" in capsys.readouterr().err
+
+
+_EXACT_PLATFORM = (platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64")
+                   and platform.libc_ver()[0] == "glibc")
+
+
+@pytest.mark.skipif(not _EXACT_PLATFORM, reason="bit-exact reproduction needs glibc's libm on x86_64")
+def test_dump_logprobs_equals_ds4_cli_dump(tiny_model_path, oracle_dir, tmp_path):
+    """`generate --dump-logprobs` in ds4-cpu numerics writes what ds4's CLI wrote for the same run
+    (the oracle's `cli_dump_logprobs`): same selected tokens, same top-20 ids, texts and bytes, and
+    logits/logprobs equal to the 9 significant digits ds4 prints."""
+    import json
+
+    from ds4_mlx.frontends.cli import main
+
+    golden = json.loads((oracle_dir / "golden" / "raw_short.json").read_text(encoding="utf-8"))
+    want = golden["cli_dump_logprobs"]
+    out = tmp_path / "dump.json"
+    rc = main(["generate", "-m", str(tiny_model_path), "--prompt-file",
+               str(oracle_dir / "golden" / "prompts" / "raw_short.txt"), "--temp", "0", "-n", "17",
+               "--ctx", str(want["ctx"]), "--numerics", "ds4-cpu", "--dump-logprobs", str(out)])
+    assert rc == 0
+    got = json.loads(out.read_text(encoding="utf-8"))
+    assert (got["prompt_tokens"], got["ctx"], got["top_k"]) == (want["prompt_tokens"], want["ctx"], want["top_k"])
+    assert len(got["steps"]) == len(want["steps"])
+    for g, w in zip(got["steps"], want["steps"]):
+        assert g["step"] == w["step"] and g["selected"] == w["selected"]
+        assert [t["token"] for t in g["top_logprobs"]] == [t["token"] for t in w["top_logprobs"]]
+        for tg, tw in zip(g["top_logprobs"], w["top_logprobs"]):
+            assert float(f"{tg['logit']:.9g}") == tw["logit"]
+            assert float(f"{tg['logprob']:.9g}") == tw["logprob"]

@@ -220,8 +220,14 @@ def _close(disk, session, args) -> None:
 
 
 def _token_json(tokenizer, token: int) -> dict:
+    """ds4's json_write_token: a piece that is not valid UTF-8 on its own (half a character) is
+    written byte by byte as U+0000..U+00FF; ``bytes`` is authoritative either way."""
     raw = tokenizer.token_text(token)
-    return {"id": token, "text": raw.decode("utf-8", errors="replace"), "bytes": list(raw)}
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        text = raw.decode("latin-1")
+    return {"id": token, "text": text, "bytes": list(raw)}
 
 
 def _dump_logprobs(engine, session, prompt, args, max_tokens: int, disk=None) -> int:
