@@ -21,6 +21,7 @@ import numpy as np
 
 from ds4_mlx.formats.config import ModelConfig
 from ds4_mlx.model.compressor import Compressor
+from ds4_mlx.model.decode_cache import LayerCache
 from ds4_mlx.model.indexer import Indexer
 from ds4_mlx.model.linear import DenseWeight, Numerics
 from ds4_mlx.model.numerics import exp, f16_round, fp8_kv_round, rms_norm, sequential_sum
@@ -89,6 +90,53 @@ class Attention:
 
         new_raw = raw[-self.n_swa:] if raw.shape[0] > self.n_swa else raw
         return a, LayerState(new_raw, attn_state, index_state)
+
+    def decode_step(self, x: mx.array, pos: mx.array, cos: mx.array, sin: mx.array, ccos: mx.array | None,
+                    csin: mx.array | None, cache: LayerCache) -> tuple[mx.array, LayerCache]:
+        """One query at position ``pos`` (int32 scalar array) with fixed shapes, for the compiled
+        decode step (DEFAULT numerics): x [1, n_embd] -> (a [1, n_embd], the layer's cache after it).
+
+        cos/sin [1, n_rot/2]: tables at p; ccos/csin: at the compressor window's first position.
+        The same keys as ``__call__`` in the same order (raw window oldest first, then compressed
+        rows ascending), padded to fixed counts with masked keys: the raw window is gathered from
+        the ring (slots of positions < 0 masked), compressed rows are all row slots (visible iff
+        row < (p+1)//R) or, on ratio-4 layers whose buffer exceeds top_k rows, the indexer's top_k
+        slots (see ``Indexer.select_fixed``).
+        """
+        H, D, numerics = self.n_head, self.head_dim, Numerics.DEFAULT
+        xn = rms_norm(x, self.attn_norm, self.eps, numerics)
+        qn = rms_norm(self.q_a(xn, numerics), self.q_a_norm, self.eps, numerics)
+        q = rms_norm(self.q_b(qn, numerics).reshape(1, H, D), None, self.eps, numerics)
+        kv = rms_norm(self.kv(xn, numerics), self.kv_norm, self.eps, numerics)
+        q = apply_rope(q, cos, sin)
+        kv = f16_round(fp8_kv_round(apply_rope(kv, cos, sin), self.n_nope))
+
+        ring = mx.slice_update(cache.ring, kv, (pos % self.n_swa).reshape(1), axes=(0,))
+        j = mx.arange(self.n_swa, dtype=mx.int32)
+        raw_keys = mx.take(ring, (pos + 1 + j) % self.n_swa, axis=0)  # positions p-n_swa+1 .. p
+        key_sets = [(raw_keys, (j >= self.n_swa - 1 - pos)[None])]
+
+        attn_lane = index_lane = None
+        if self.ratio:
+            R = self.ratio
+            attn_lane = self.compressor.decode_step(xn, pos, ccos, csin, cache.attn)
+            comp = attn_lane.rows
+            n_vis = (pos + 1) // R
+            n_slots = comp.shape[0]
+            if R == 4:
+                index_lane = self.index_compressor.decode_step(xn, pos, ccos, csin, cache.index)
+            if R == 4 and n_slots > self.indexer.top_k:
+                qi, wi = self.indexer.queries(qn, xn, cos, sin, numerics)
+                sc = self.indexer.scores(qi, wi, index_lane.rows, numerics)[0]
+                ids, used = self.indexer.select_fixed(sc, n_vis)
+                key_sets.append((mx.take(comp, ids, axis=0)[None], used[None]))
+            else:
+                key_sets.append((comp, (mx.arange(n_slots, dtype=mx.int32) < n_vis)[None]))
+
+        heads = apply_rope(self._softmax_fast(q, key_sets), cos, -sin)
+        groups = heads.reshape(1, self.n_group, (H // self.n_group) * D)
+        low = mx.concatenate([self.out_a[g](groups[:, g], numerics) for g in range(self.n_group)], axis=-1)
+        return self.out_b(low, numerics), LayerCache(ring, attn_lane, index_lane)
 
     # -- attention over the visible rows -----------------------------------------------------------
 
@@ -165,9 +213,9 @@ class Attention:
                 out.append(self._softmax_fast(q[b0:b1], key_sets))
         return out[0] if len(out) == 1 else mx.concatenate(out, axis=0)
 
-    def _softmax_fast(self, q: mx.array, key_sets: list[tuple[mx.array, np.ndarray]]) -> mx.array:
+    def _softmax_fast(self, q: mx.array, key_sets: list[tuple[mx.array, np.ndarray | mx.array]]) -> mx.array:
         """One sink softmax over all key sets with matmuls. q [n, H, D]; keys [K, D] shared by the
-        block's queries or [n, K, D] per query; masks [n, K]."""
+        block's queries or [n, K, D] per query; masks [n, K] (numpy, or MLX inside a compiled step)."""
         n, H, D = q.shape
         sink = self.sinks.reshape(1, H, 1)
         qflat = q.reshape(n * H, D)
@@ -177,7 +225,8 @@ class Attention:
                 s = (qflat @ keys.T).reshape(n, H, -1)
             else:
                 s = mx.matmul(q, keys.transpose(0, 2, 1))
-            scores.append(mx.where(mx.array(mask)[:, None, :], s * self.kq_scale, NEG_INF))
+            mask = mask if isinstance(mask, mx.array) else mx.array(mask)
+            scores.append(mx.where(mask[:, None, :], s * self.kq_scale, NEG_INF))
         m = sink
         for s in scores:
             m = mx.maximum(m, mx.max(s, axis=-1, keepdims=True))

@@ -23,6 +23,7 @@ import numpy as np
 from ds4_mlx.model.linear import DenseWeight, Numerics
 from ds4_mlx.model.numerics import (EMPTY_SCORE, exp, f16_round, fp8_kv_round, indexer_qat, rms_norm,
                                     sequential_sum)
+from ds4_mlx.model.decode_cache import LaneCache
 from ds4_mlx.model.rope import Rope, apply_rope
 from ds4_mlx.model.state import CompressorState
 
@@ -92,6 +93,48 @@ class Compressor:
             rows = f16_round(c)
 
         return rows, CompressorState(mx.concatenate([state.rows, rows], axis=0), new_state_k, new_state_g)
+
+    def decode_step(self, xn: mx.array, pos: mx.array, cos: mx.array, sin: mx.array,
+                    lane: LaneCache) -> LaneCache:
+        """One token at position ``pos`` (int32 scalar array) with fixed shapes, for the compiled
+        decode step (DEFAULT numerics). ``cos``/``sin`` [1, n_rot/2]: the tables of the first position
+        of the token's window, p - p mod R.
+
+        The pooled row of the open window is computed every step and written to slot p // R: it is
+        the emitted row when p closes the window ((p+1) mod R == 0), otherwise a provisional value in
+        a slot no query can see yet, overwritten by the next step. The frontier stays canonical:
+        on emission the window's rows are cleared (R = 4: moved to the "previous window" half).
+        """
+        R, D, W = self.ratio, self.dim, self.coff * self.dim
+        numerics = Numerics.DEFAULT
+        r = pos % R
+        k = self.kv(xn, numerics)
+        g = self.gate(xn, numerics) + mx.take(self.ape, r.reshape(1), axis=0)
+        row = (r + 4 if R == 4 else r).reshape(1)
+        kst = mx.slice_update(lane.kst, k, row, axes=(0,))
+        gst = mx.slice_update(lane.gst, g, row, axes=(0,))
+        if R == 4:
+            # same slot layout as the chunk path: (prev r, cur r) interleaved
+            prv_k, cur_k = kst[None, :4], kst[None, 4:]
+            prv_g, cur_g = gst[None, :4], gst[None, 4:]
+            slot_k = mx.stack([prv_k[..., :D], cur_k[..., D:]], axis=2).reshape(1, 8, D)
+            slot_g = mx.stack([prv_g[..., :D], cur_g[..., D:]], axis=2).reshape(1, 8, D)
+        else:
+            slot_k, slot_g = kst.reshape(1, R, D), gst.reshape(1, R, D)
+        c = rms_norm(self._pool(slot_k, slot_g, numerics), self.norm, self.eps, numerics)
+        c = apply_rope(c, cos, sin)
+        c = f16_round(fp8_kv_round(c, self.n_nope) if self.n_nope is not None else indexer_qat(c))
+        rows = mx.slice_update(lane.rows, c, (pos // R).reshape(1), axes=(0,))
+
+        emit = r == R - 1
+        if R == 4:
+            kst = mx.where(emit, mx.concatenate([kst[4:], mx.zeros((4, W), dtype=mx.float32)], axis=0), kst)
+            gst = mx.where(emit, mx.concatenate([gst[4:], mx.full((4, W), EMPTY_SCORE, dtype=mx.float32)], axis=0),
+                           gst)
+        else:
+            kst = mx.where(emit, mx.zeros_like(kst), kst)
+            gst = mx.where(emit, mx.full(gst.shape, EMPTY_SCORE, dtype=mx.float32), gst)
+        return LaneCache(rows, kst, gst)
 
     def _pool(self, k: mx.array, g: mx.array, numerics: Numerics) -> mx.array:
         """Per-dimension softmax pooling over the slot axis: [N, S, D] -> [N, D]."""

@@ -61,3 +61,28 @@ class Indexer:
         if dense.any():
             top[dense] = np.arange(k)[None, :]
         return top.astype(np.int32)
+
+    def select_fixed(self, scores: mx.array, n_visible: mx.array) -> tuple[mx.array, mx.array]:
+        """``select`` for one query with fixed shapes (compiled decode): scores [C] over every row
+        slot, n_visible an int32 scalar array (rows >= it are not visible).
+
+        Returns (ids int32 [top_k], used bool [top_k]): the selected rows in ascending order,
+        then padding (row 0, used = False). As in ``select``: all visible rows when there are at
+        most top_k of them, else the top_k visible scores with ties to the lower index — the rows
+        scoring above the k-th largest value t, then the lowest-indexed rows scoring exactly t.
+        """
+        C, k = scores.shape[0], self.top_k
+        idx = mx.arange(C, dtype=mx.int32)
+        visible = idx < n_visible
+        s = mx.where(visible, scores, -mx.inf)
+        t = mx.min(mx.topk(s, k))
+        above = s > t
+        tie = s == t
+        need = k - mx.sum(above.astype(mx.int32))
+        top = above | (tie & (mx.cumsum(tie.astype(mx.int32)) <= need))
+        chosen = mx.where(n_visible <= k, visible, top)
+        # compaction: the j-th chosen row goes to slot j, the others to a dump slot k
+        dest = mx.where(chosen, mx.cumsum(chosen.astype(mx.int32)) - 1, k)
+        ids = mx.zeros((k + 1,), dtype=mx.int32).at[dest].add(mx.where(chosen, idx, 0))[:k]
+        used = mx.arange(k, dtype=mx.int32) < mx.minimum(n_visible, k)
+        return ids, used

@@ -34,34 +34,59 @@ class MoE:
         c = self.clamp
         return silu(mx.minimum(gate, c), numerics) * mx.clip(up, -c, c)
 
-    def route(self, xn: mx.array, tokens: np.ndarray, numerics: Numerics) -> tuple[np.ndarray, mx.array]:
-        """(selected expert ids int32 [T, k], their weights [T, k])."""
+    def router_scores(self, xn: mx.array, numerics: Numerics) -> tuple[mx.array, mx.array | None]:
+        """(prob = sqrt(softplus(W_router·xn)) [T, n_expert], the selection score prob + bias, or
+        None for hash layers, which select by token id)."""
         prob = mx.sqrt(softplus(self.router(xn, numerics), numerics))
+        if self.tid2eid is not None:
+            return prob, None
+        return prob, (prob if self.bias is None else prob + self.bias)
+
+    def select(self, choice: mx.array | None, tokens: np.ndarray) -> np.ndarray:
+        """Selected expert ids int32 [T, k]: tid2eid[token] on hash layers, else the top-k of
+        ``choice`` (a stable sort of the negated scores = ds4's insertion top-k with strict '>')."""
         if self.tid2eid is not None:
             sel = self.tid2eid[tokens]
         else:
-            choice = prob if self.bias is None else prob + self.bias
-            # Stable sort of the negated scores = ds4's insertion top-k with strict '>'.
             sel = np.argsort(-np.array(choice, dtype=np.float32), axis=1, kind="stable")[:, : self.n_used]
-        sel = np.ascontiguousarray(sel, dtype=np.int32)
+        return np.ascontiguousarray(sel, dtype=np.int32)
+
+    def route_weights(self, prob: mx.array, sel: np.ndarray, numerics: Numerics) -> mx.array:
+        """w_i = prob[sel_i] / max(Σ prob[sel], 2^-14) · scale   [T, k]."""
         w = mx.take_along_axis(prob, mx.array(sel), axis=1)
         if numerics is Numerics.DS4_CPU:
             total = ordered_sum([w[:, i: i + 1] for i in range(self.n_used)])
         else:
             total = mx.sum(w, axis=1, keepdims=True)
-        return sel, w / mx.maximum(total, ROUTER_SUM_FLOOR) * self.weight_scale
+        return w / mx.maximum(total, ROUTER_SUM_FLOOR) * self.weight_scale
+
+    def route(self, xn: mx.array, tokens: np.ndarray, numerics: Numerics) -> tuple[np.ndarray, mx.array]:
+        """(selected expert ids int32 [T, k], their weights [T, k])."""
+        prob, choice = self.router_scores(xn, numerics)
+        sel = self.select(choice, tokens)
+        return sel, self.route_weights(prob, sel, numerics)
+
+    def routed_experts(self, xn: mx.array, sel: np.ndarray, w: mx.array, numerics: Numerics) -> mx.array:
+        """Per selected expert: down_i·(swiglu(gate_i·xn, up_i·xn)·w_i)   -> [T, k, n_embd]."""
+        xe = xn[:, None, :]
+        mid = self._swiglu(self.gate_exps(xe, sel, numerics), self.up_exps(xe, sel, numerics), numerics)
+        return self.down_exps(mid * w[:, :, None], sel, numerics)
+
+    def shared_expert(self, xn: mx.array, numerics: Numerics) -> mx.array:
+        return self.down_sh(self._swiglu(self.gate_sh(xn, numerics), self.up_sh(xn, numerics), numerics),
+                            numerics)
+
+    def combine(self, down: mx.array, shared: mx.array, numerics: Numerics) -> mx.array:
+        """Σ_i down[:, i] + shared."""
+        if numerics is Numerics.DS4_CPU:
+            routed = ordered_sum([down[:, i] for i in range(self.n_used)])
+        else:
+            routed = mx.sum(down, axis=1)
+        return routed + shared
 
     def __call__(self, x: mx.array, tokens: np.ndarray, numerics: Numerics) -> mx.array:
         """x [T, n_embd] (HC-reduced), tokens [T] (this position's input ids) -> f [T, n_embd]."""
         xn = rms_norm(x, self.ffn_norm, self.eps, numerics)
         sel, w = self.route(xn, tokens, numerics)
-        xe = xn[:, None, :]
-        mid = self._swiglu(self.gate_exps(xe, sel, numerics), self.up_exps(xe, sel, numerics), numerics)
-        down = self.down_exps(mid * w[:, :, None], sel, numerics)  # [T, k, n_embd]
-        if numerics is Numerics.DS4_CPU:
-            routed = ordered_sum([down[:, i] for i in range(self.n_used)])
-        else:
-            routed = mx.sum(down, axis=1)
-        shared = self.down_sh(self._swiglu(self.gate_sh(xn, numerics), self.up_sh(xn, numerics), numerics),
-                              numerics)
-        return routed + shared
+        down = self.routed_experts(xn, sel, w, numerics)  # [T, k, n_embd]
+        return self.combine(down, self.shared_expert(xn, numerics), numerics)

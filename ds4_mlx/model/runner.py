@@ -2,22 +2,36 @@
 
 Prefill runs in chunks whose boundaries are absolute multiples of ``chunk`` (ds4's 2048 by
 default), so a session resumed from any checkpoint executes the same chunks as a cold prefill of
-the whole prompt would from that point on. ``eval(token)`` is a one-token chunk. The engine layer
+the whole prompt would from that point on. ``eval(token)`` feeds one token (see Decode). The engine layer
 builds sampling, snapshots and the KV store on top of this.
+
+Decode. In DEFAULT numerics a one-token feed (``eval``, or ``prefill`` of one token, which is how
+the engine decodes) runs the compiled decode step (``compiled_decode``) on a fixed-shape
+``DecodeCache``: the session converts its ``ModelState`` into one when decoding starts, and back
+(exactly, lazily) when ``state`` is read — a snapshot, a payload save, a prefill of several tokens.
+``compile=False`` (or the environment variable ``DS4_MLX_COMPILE=0``) keeps every feed on the chunk
+path. ds4-cpu numerics never compile (``compiled`` is then False whatever was asked).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import mlx.core as mx
 import numpy as np
 
+from ds4_mlx.model.decode_cache import DecodeCache
+from ds4_mlx.model.linear import Numerics
 from ds4_mlx.model.state import InferenceError, ModelState
 
 
+def _compile_default() -> bool:
+    return os.environ.get("DS4_MLX_COMPILE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 class Session:
-    def __init__(self, model, ctx: int | None = None, chunk: int = 2048):
+    def __init__(self, model, ctx: int | None = None, chunk: int = 2048, compile: bool | None = None):
         cfg = model.config
         if chunk < 1:
             raise InferenceError(f"prefill chunk size must be >= 1, got {chunk}")
@@ -26,13 +40,29 @@ class Session:
         self.model = model
         self.ctx = ctx if ctx is not None else cfg.context_length
         self.chunk = chunk
-        self.state = ModelState.empty(cfg)
+        want = _compile_default() if compile is None else bool(compile)
+        self.compiled = want and model.numerics is Numerics.DEFAULT
+        # The live state is held as a ModelState, a DecodeCache, or both (the ModelState being the
+        # cache's exact conversion); at least one is set.
+        self._state: ModelState | None = ModelState.empty(cfg)
+        self._cache: DecodeCache | None = None
         self.tokens: list[int] = []
         self._logits: mx.array | None = None
 
     @property
+    def state(self) -> ModelState:
+        """The canonical state after ``n_tokens`` (converted from the decode cache when needed)."""
+        if self._state is None:
+            self._state = self._cache.to_state(self.model.config)
+        return self._state
+
+    @state.setter
+    def state(self, value: ModelState) -> None:
+        self._state, self._cache = value, None
+
+    @property
     def n_tokens(self) -> int:
-        return self.state.n_tokens
+        return self._cache.n_tokens if self._cache is not None else self._state.n_tokens
 
     def _check(self, tokens: np.ndarray) -> None:
         n_vocab = self.model.config.n_vocab
@@ -51,6 +81,9 @@ class Session:
         if toks.size == 0:
             return
         self._check(toks)
+        if toks.size == 1 and self.compiled:
+            self._decode(toks)
+            return
         i = 0
         while i < toks.size:
             p = self.state.n_tokens
@@ -60,6 +93,16 @@ class Session:
             if last:
                 self._logits = logits
             i += take
+        self.tokens.extend(int(t) for t in toks)
+
+    def _decode(self, toks: np.ndarray) -> None:
+        if self._cache is None:
+            self._cache = DecodeCache.from_state(self.model.config, self._state)
+        # Dropped before the step, not after: a converted state shares the cache's row buffers, and
+        # while anything holds them MLX must copy the buffers instead of writing the new rows in place.
+        self._state = None
+        logits, self._cache = self.model.forward_chunk(toks, self._cache, want_logits=True)
+        self._logits = logits
         self.tokens.extend(int(t) for t in toks)
 
     def eval(self, token: int) -> None:

@@ -7,6 +7,8 @@
 
 ``Model.forward_chunk`` runs a chunk of tokens layer-major (all tokens through layer 0, then
 layer 1, …) from an explicit ``ModelState`` and returns the new state; it never mutates its inputs.
+Given a ``DecodeCache`` instead (DEFAULT numerics), it runs the tokens one by one through the
+compiled decode step (``compiled_decode``), which updates that cache in place and returns it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import numpy as np
 
 from ds4_mlx.formats.config import ModelConfig
 from ds4_mlx.model.attention import Attention
+from ds4_mlx.model.decode_cache import DecodeCache
 from ds4_mlx.model.hyper_connection import HyperConnection, OutputHC
 from ds4_mlx.model.linear import DenseWeight, Numerics
 from ds4_mlx.model.moe import MoE
@@ -54,6 +57,7 @@ class Model:
         self.embedding = embedding  # [n_vocab, n_embd] float16 (mmap view), rows gathered per token
         self.blocks, self.output_hc, self.output_norm, self.output = blocks, output_hc, output_norm, output
         self.source = source  # the GGUFFile the weights map (kept open while the model lives)
+        self._decoders: dict[bool, object] = {}
 
     def embed(self, tokens: np.ndarray) -> mx.array:
         """[T] ids -> H [T, n_hc, n_embd]: the F16 row in every stream."""
@@ -65,9 +69,24 @@ class Model:
         y = self.output_hc(H, self.numerics)
         return self.output(rms_norm(y, self.output_norm, self.config.rms_eps, self.numerics), self.numerics)
 
-    def forward_chunk(self, tokens: np.ndarray, state: ModelState,
-                      want_logits: bool = True) -> tuple[mx.array | None, ModelState]:
-        """Run tokens (positions state.n_tokens..) layer-major; logits of the last token if asked."""
+    def decoder(self, compile: bool = True):
+        """The (cached) ``CompiledDecoder`` of this model; ``compile=False``: the same fixed-shape
+        step run eagerly."""
+        if compile not in self._decoders:
+            from ds4_mlx.model.compiled_decode import CompiledDecoder
+
+            self._decoders[compile] = CompiledDecoder(self, compile=compile)
+        return self._decoders[compile]
+
+    def forward_chunk(self, tokens: np.ndarray, state: ModelState | DecodeCache,
+                      want_logits: bool = True) -> tuple[mx.array | None, ModelState | DecodeCache]:
+        """Run tokens (positions state.n_tokens..) layer-major; logits of the last token if asked.
+        A ``DecodeCache`` state takes the compiled decode step per token (and is updated in place)."""
+        if isinstance(state, DecodeCache):
+            logits = None
+            for t in np.asarray(tokens, dtype=np.int64).reshape(-1):
+                logits = self.decoder().step(int(t), state)
+            return (logits if want_logits else None), state
         if self.numerics is Numerics.DS4_CPU:
             with mx.stream(mx.cpu):  # float64 steps; the reference arithmetic is a CPU one anyway
                 return self._forward_chunk(tokens, state, want_logits)
@@ -87,10 +106,10 @@ class Model:
         logits = self.head(H[-1:])[0] if want_logits else None
         return logits, new_state
 
-    def new_session(self, ctx: int | None = None, chunk: int = 2048):
+    def new_session(self, ctx: int | None = None, chunk: int = 2048, compile: bool | None = None):
         from ds4_mlx.model.runner import Session
 
-        return Session(self, ctx=ctx, chunk=chunk)
+        return Session(self, ctx=ctx, chunk=chunk, compile=compile)
 
 
 def _arrays(ls: LayerState) -> list[mx.array]:

@@ -1,0 +1,233 @@
+"""Whole-model benchmarks (DEFAULT numerics): prefill and decode throughput, compiled vs uncompiled
+decode, weight bytes per decoded token, peak memory.
+
+    python benchmarks/bench_model.py                                   # tiny model, < 1 min
+    python scripts/make_tiny_model.py --preset medium --out /tmp/medium.gguf     # 9.5 GB, ~2 min
+    python benchmarks/bench_model.py --model /tmp/medium.gguf --prefill 512 2048 --decode 8
+
+Model: ``--model PATH``, else ``$DS4_MLX_TINY_MODEL``, else ``/tmp/tiny/tiny.gguf``, else a tiny model
+is generated into a temp dir (deleted at exit). Tokens are random ids (seeded): the cost of a step
+does not depend on which ids, only (through routing) on which experts they pick.
+
+Reported:
+* load time; a warm-up prefill (pays the lazy float32 dequantization of the dense weights);
+* prefill tokens/s per length (a cold session, chunked at 2048 like ds4);
+* decode tokens/s after the longest prefill, uncompiled (chunk path, one-token chunks) and compiled
+  (``compiled_decode``), each run the same teacher-forced tokens (greedy tokens of the first
+  uncompiled round) from the same snapshot, interleaved over ``--rounds`` rounds (median reported),
+  with the logits evaluated at every step; the first compiled steps (the traces) are timed
+  separately; the largest |Δlogit| between the two modes;
+* weight bytes per decoded token next to the active-parameter bytes: GGUF bytes of the dense
+  matmul weights (all of them run for every token) and of the routed experts actually selected
+  (``ExpertWeights.bytes_selected``; ``bytes_read``: bytes copied out of the mmap, i.e. expert-cache
+  misses), and the bytes the CPU backend's matmuls stream (float32: 4 bytes per parameter);
+* VmHWM (peak RSS) and VmRSS after load, warm-up, prefill and decode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import ds4_mlx  # noqa: F401  (first: binds MLX to a fast BLAS before mlx.core loads)
+import mlx.core as mx
+import numpy as np
+
+from ds4_mlx.formats.ggml_types import GGMLType
+from ds4_mlx.model.experts import ExpertWeights
+
+REPO = Path(__file__).resolve().parents[1]
+GIB = float(1 << 30)
+MIB = float(1 << 20)
+
+
+def find_model(arg: str | None, tmp: Path) -> Path:
+    if arg:
+        if not Path(arg).is_file():
+            sys.exit(f"--model {arg}: no such file")
+        return Path(arg)
+    for cand in (os.environ.get("DS4_MLX_TINY_MODEL"), "/tmp/tiny/tiny.gguf"):
+        if cand and Path(cand).is_file():
+            return Path(cand)
+    out = tmp / "tiny.gguf"
+    print(f"generating a tiny model into {out} ...", file=sys.stderr)
+    subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), "--out", str(out), "--quiet",
+                    "--no-sha256"], check=True)
+    return out
+
+
+def memory() -> dict[str, int]:
+    """VmHWM / VmRSS of this process in bytes (Linux); empty elsewhere."""
+    out = {}
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                key, _, rest = line.partition(":")
+                if key in ("VmHWM", "VmRSS"):
+                    out[key] = int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def mem_line(label: str) -> dict[str, int]:
+    m = memory()
+    if m:
+        print(f"  memory {label:<16} VmHWM {m['VmHWM'] / GIB:7.2f} GiB   VmRSS {m['VmRSS'] / GIB:7.2f} GiB")
+    return m
+
+
+def experts_of(model) -> list[ExpertWeights]:
+    return [e for b in model.blocks for e in (b.ffn.gate_exps, b.ffn.up_exps, b.ffn.down_exps)]
+
+
+def dense_params(model) -> tuple[int, int]:
+    """(GGUF bytes, parameters) of the dense matmul weights a decoded token runs through: every
+    2-D Q8_0 / F16 / F32 tensor but the embedding (one row per token), the APE tables (one row)
+    and the expert-id tables."""
+    nbytes = params = 0
+    for name, info in model.source.tensors.items():
+        if len(info.shape) != 2 or name == "token_embd.weight" or "_ape." in name or "tid2eid" in name:
+            continue
+        if info.ggml_type not in (GGMLType.Q8_0, GGMLType.F16, GGMLType.F32):
+            continue
+        nbytes += info.nbytes
+        params += info.n_elements
+    return nbytes, params
+
+
+def timed_prefill(model, tokens: np.ndarray, compile: bool) -> tuple[float, object]:
+    s = model.new_session(ctx=len(tokens) + 64, compile=compile)
+    t0 = time.perf_counter()
+    s.prefill(tokens)
+    s.logits()
+    return time.perf_counter() - t0, s
+
+
+def decode_run(model, snap, feed: list[int] | None, n: int, compile: bool, ctx: int):
+    """n decode steps from ``snap``: greedy when ``feed`` is None, else teacher-forced. Returns
+    (seconds per step, the fed tokens, logits per step)."""
+    s = model.new_session(ctx=ctx, compile=compile)
+    s.restore(snap)
+    nxt = int(np.argmax(np.array(snap[2])))
+    fed, logits, times = [], [], []
+    for i in range(n):
+        tok = nxt if feed is None else feed[i]
+        t0 = time.perf_counter()
+        s.eval(tok)
+        lg = s.logits()
+        times.append(time.perf_counter() - t0)
+        fed.append(tok)
+        logits.append(lg)
+        nxt = int(np.argmax(lg))
+    return times, fed, logits
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="GGUF to benchmark (default: a tiny model)")
+    ap.add_argument("--prefill", type=int, nargs="+", default=None,
+                    help="prefill lengths (default: 512 2048 on the tiny model, 512 on others)")
+    ap.add_argument("--decode", type=int, default=None, help="timed decode steps per mode and round "
+                                                            "(default 32 tiny, 6 otherwise)")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of uncompiled / compiled decode")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    with tempfile.TemporaryDirectory(prefix="ds4-bench-model-") as tmpdir:
+        path = find_model(args.model, Path(tmpdir))
+        return run(path, args)
+
+
+def run(path: Path, args) -> int:
+    mem0 = memory()
+    t0 = time.perf_counter()
+    model = ds4_mlx.load(path, numerics="default")
+    cfg = model.config
+    t_load = time.perf_counter() - t0
+    tiny = cfg.n_embd < 1024
+    lengths = args.prefill or ([512, 2048] if tiny else [512])
+    n_dec = args.decode or (32 if tiny else 6)
+    rng = np.random.default_rng(args.seed)
+    tokens = rng.integers(0, cfg.n_vocab, size=max(lengths) + 1).astype(np.int64)
+    tokens[0] = 0
+
+    ratios = [cfg.compress_ratio(i) for i in range(cfg.n_layer)]
+    print(f"model {path}  ({os.path.getsize(path) / GIB:.2f} GiB)  {cfg.n_layer} layers, n_embd {cfg.n_embd}, "
+          f"ratios {ratios}, {cfg.n_expert} experts (k={cfg.n_expert_used})")
+    print(f"load {t_load:.2f} s")
+    mem = {"start": mem0, "load": mem_line("after load")}
+
+    t_warm, _ = timed_prefill(model, tokens[:16], compile=False)
+    print(f"warm-up prefill (16 tokens, first-use weight dequantization) {t_warm:.2f} s")
+    mem["warm-up"] = mem_line("after warm-up")
+
+    print("prefill (cold session, one chunk per 2048 tokens)")
+    snap_session = None
+    for n in lengths:
+        dt, s = timed_prefill(model, tokens[:n], compile=False)
+        print(f"  {n:6d} tokens  {dt:8.2f} s  {n / dt:9.1f} tokens/s")
+        snap_session = s
+    mem["prefill"] = mem_line("after prefill")
+
+    snap = snap_session.snapshot()
+    p0 = snap[0].n_tokens
+    ctx = p0 + n_dec + 8
+    print(f"decode from position {p0}: {n_dec} timed steps per mode, {args.rounds} interleaved rounds")
+    # warm-up: the first compiled steps trace every layer function (and the expert cache fills)
+    warm_u, feed, _ = decode_run(model, snap, None, n_dec, False, ctx)
+    dec = model.decoder()
+    traces0 = dec.traces
+    warm_c, _, _ = decode_run(model, snap, feed, 2, True, ctx)
+    print(f"  first compiled steps (trace + run): {warm_c[0] * 1e3:.1f} ms, then {warm_c[1] * 1e3:.1f} ms "
+          f"({dec.traces - traces0} traces)")
+    per_u, per_c = [], []
+    worst = 0.0
+    experts = experts_of(model)
+    for r in range(args.rounds):
+        tu, _, lu = decode_run(model, snap, feed, n_dec, False, ctx)
+        for e in experts:
+            e.reset_counters()
+        traces1 = dec.traces
+        tc, _, lc = decode_run(model, snap, feed, n_dec, True, ctx)
+        if dec.traces != traces1:
+            print(f"  WARNING: {dec.traces - traces1} retraces during the timed compiled run")
+        per_u.append(statistics.median(tu))
+        per_c.append(statistics.median(tc))
+        worst = max(worst, max(float(np.abs(a - b).max()) for a, b in zip(lu, lc)))
+    mu, mc = statistics.median(per_u), statistics.median(per_c)
+    print(f"  uncompiled  {mu * 1e3:9.1f} ms/token  {1 / mu:8.2f} tokens/s   (rounds: "
+          f"{', '.join(f'{x * 1e3:.1f}' for x in per_u)} ms)")
+    print(f"  compiled    {mc * 1e3:9.1f} ms/token  {1 / mc:8.2f} tokens/s   (rounds: "
+          f"{', '.join(f'{x * 1e3:.1f}' for x in per_c)} ms)")
+    print(f"  speed-up compiled / uncompiled: {mu / mc:.2f}x    max |dlogit| between the modes: {worst:.3g}")
+    mem["decode"] = mem_line("after decode")
+
+    # bytes per decoded token (counters of the last compiled run: n_dec tokens)
+    d_bytes, d_params = dense_params(model)
+    emb_row = cfg.n_embd * 2
+    sel = sum(e.bytes_selected for e in experts) / n_dec
+    read = sum(e.bytes_read for e in experts) / n_dec
+    sel_f32 = sum(e.bytes_selected / e.expert_nbytes * e.shape[1] * e.shape[2] * 4 for e in experts) / n_dec
+    active_exp = sum(cfg.n_expert_used * e.expert_nbytes for e in experts)
+    active = d_bytes + emb_row + active_exp
+    print("weight bytes per decoded token")
+    print(f"  dense matmul weights (GGUF)        {d_bytes / MIB:10.1f} MiB   ({d_params / 1e6:.1f} M params; "
+          f"the CPU backend streams them as float32: {4 * d_params / MIB:.1f} MiB)")
+    print(f"  routed experts selected (GGUF)     {sel / MIB:10.1f} MiB   (as float32: {sel_f32 / MIB:.1f} MiB; "
+          f"copied out of the mmap: {read / MIB:.1f} MiB, the rest hit the expert cache)")
+    print(f"  touched (GGUF) / active parameters {(d_bytes + emb_row + sel) / MIB:10.1f} / {active / MIB:.1f} MiB "
+          f"= {(d_bytes + emb_row + sel) / active:.3f}")
+    print(f"  CPU float32 bytes streamed         {(4 * d_params + emb_row + sel_f32) / MIB:10.1f} MiB "
+          f"= {(4 * d_params + emb_row + sel_f32) / active:.2f}x the active GGUF bytes")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
