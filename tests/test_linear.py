@@ -531,3 +531,22 @@ def test_experts_reject_bad_input():
     with pytest.raises(LayoutError, match="not a routed-expert type"):
         experts(GGMLType.Q8_0, np.zeros((4, 8, 34), np.uint8), 32)
     assert np.array(e(mx.zeros((0, 1, 256)), np.zeros((0, 2), np.int64))).shape == (0, 2, 8)
+
+
+def test_grouped_dense_expert_path_is_bit_identical(monkeypatch):
+    """Evaluating experts in memory-bounded groups gives the bits of the one-shot call."""
+    from ds4_mlx.model import experts as ex
+    from ds4_mlx.testing.tiny_model import q2_k_random_blocks
+
+    rng = np.random.default_rng(5)
+    n_exp, out_dim, n_in = 12, 64, 256
+    raw = q2_k_random_blocks(rng, n_exp * out_dim, 0.05).reshape(n_exp, out_dim, -1)
+    w = ex.ExpertWeights("t.ffn_down_exps.weight", ex.GGMLType.Q2_K, raw, n_in, backend="cpu", use_kernels=False)
+    w.cache = ex.ExpertCache(0)
+    x = mx.array(rng.standard_normal((40, 1, n_in)).astype(np.float32))
+    ids = rng.integers(0, n_exp, (40, 4))
+    whole = np.array(w(x, ids))
+    monkeypatch.setattr(ex, "DENSE_GROUP_BYTES", 3 * out_dim * n_in * 4)  # 3 experts per group
+    grouped = np.array(w(x, ids))
+    assert np.unique(ids).size > 3
+    assert np.array_equal(whole.view(np.uint32), grouped.view(np.uint32))

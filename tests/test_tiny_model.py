@@ -351,5 +351,7 @@ def test_peak_memory_stays_bounded_while_streaming(tmp_path):
     peak = json.loads(summary.read_text())["peak_rss_bytes"]
     size = out.stat().st_size
     assert size > 450e6
-    assert sampled <= peak
+    # The child may still allocate a little after writing its summary, so the sampled VmHWM can
+    # exceed the reported one by a page or two: judge the larger of the two.
+    peak = max(peak, sampled)
     assert peak < 0.4 * size, f"peak RSS {peak / 2**20:.0f} MiB for a {size / 2**20:.0f} MiB file"

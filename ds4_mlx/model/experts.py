@@ -162,6 +162,11 @@ class ExpertCache:
 
 
 EXPERT_CACHE = ExpertCache(int(float(os.environ.get("DS4_MLX_EXPERT_CACHE_MB", "1024")) * (1 << 20)))
+
+# Dequantized float32 weights alive at once in one call of the CPU path. A 2048-token prefill chunk
+# selects every expert (256 x 32 MiB = 8 GiB per projection at the real dims) and MLX's lazy graph
+# would hold them all until the end of the call; evaluating group by group bounds the peak.
+DENSE_GROUP_BYTES = int(float(os.environ.get("DS4_MLX_EXPERT_GROUP_MB", "512")) * (1 << 20))
 _instance_ids = itertools.count()
 
 
@@ -278,8 +283,29 @@ class ExpertWeights:
         elif self.use_kernels:
             y = metal_kernels.expert_matmul_kernel(mx.array(self._read(uniq)), self.qtype, x_rows, slot, rows)
         else:
-            y = metal_kernels.expert_matmul_dense(self.dense_experts(uniq), x_rows, slot, rows)
+            y = self._dense_pairs(uniq, x_rows, slot, rows)
         return y.reshape(T, k, out_dim)
+
+    def _dense_pairs(self, uniq: np.ndarray, x_rows: mx.array, slot: np.ndarray, rows: np.ndarray) -> mx.array:
+        """``expert_matmul_dense`` over groups of experts holding at most DENSE_GROUP_BYTES of float32
+        weights each, evaluated one group at a time. Every expert still sees exactly its own pairs in
+        the same order, so the GEMMs (and the bits) are those of the ungrouped call."""
+        per_expert = self.shape[1] * self.shape[2] * 4
+        group = max(1, DENSE_GROUP_BYTES // per_expert)
+        if uniq.size <= group:
+            return metal_kernels.expert_matmul_dense(self.dense_experts(uniq), x_rows, slot, rows)
+        pieces, pair_ids = [], []
+        for g0 in range(0, uniq.size, group):
+            members = np.flatnonzero((slot >= g0) & (slot < g0 + group))
+            y = metal_kernels.expert_matmul_dense(self.dense_experts(uniq[g0:g0 + group]), x_rows,
+                                                  slot[members] - g0, rows[members])
+            mx.eval(y)
+            pieces.append(y)
+            pair_ids.append(members)
+        order = np.concatenate(pair_ids)
+        inverse = np.empty_like(order)
+        inverse[order] = np.arange(order.size)
+        return mx.take(mx.concatenate(pieces, axis=0), mx.array(inverse), axis=0)
 
     # -- DS4_CPU ------------------------------------------------------------------------------------
 
