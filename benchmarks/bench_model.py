@@ -29,37 +29,20 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import ds4_mlx  # noqa: F401  (first: binds MLX to a fast BLAS before mlx.core loads)
-import mlx.core as mx
 import numpy as np
 
 from ds4_mlx.formats.ggml_types import GGMLType
 from ds4_mlx.model.experts import ExpertWeights
+from ds4_mlx.testing.tiny_model import benchmark_model_path
 
-REPO = Path(__file__).resolve().parents[1]
 GIB = float(1 << 30)
 MIB = float(1 << 20)
-
-
-def find_model(arg: str | None, tmp: Path) -> Path:
-    if arg:
-        if not Path(arg).is_file():
-            sys.exit(f"--model {arg}: no such file")
-        return Path(arg)
-    for cand in (os.environ.get("DS4_MLX_TINY_MODEL"), "/tmp/tiny/tiny.gguf"):
-        if cand and Path(cand).is_file():
-            return Path(cand)
-    out = tmp / "tiny.gguf"
-    print(f"generating a tiny model into {out} ...", file=sys.stderr)
-    subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), "--out", str(out), "--quiet",
-                    "--no-sha256"], check=True)
-    return out
 
 
 def memory() -> dict[str, int]:
@@ -141,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     with tempfile.TemporaryDirectory(prefix="ds4-bench-model-") as tmpdir:
-        path = find_model(args.model, Path(tmpdir))
+        path = benchmark_model_path(args.model, Path(tmpdir))
         return run(path, args)
 
 

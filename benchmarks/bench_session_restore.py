@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,23 +35,8 @@ import numpy as np
 
 from ds4_mlx.engine import payload as P
 from ds4_mlx.engine.session import Session
+from ds4_mlx.testing.tiny_model import benchmark_model_path
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def find_model(arg: str | None, tmp: Path) -> Path:
-    if arg:
-        if not Path(arg).is_file():
-            sys.exit(f"--model {arg}: no such file")
-        return Path(arg)
-    for cand in (os.environ.get("DS4_MLX_TINY_MODEL"), "/tmp/tiny/tiny.gguf"):
-        if cand and Path(cand).is_file():
-            return Path(cand)
-    out = tmp / "tiny.gguf"
-    print(f"generating a tiny model into {out} ...", file=sys.stderr)
-    subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), "--out", str(out), "--quiet"],
-                   check=True)
-    return out
 
 
 def ds4_payload_bytes(cfg, n: int) -> int:
@@ -143,7 +126,7 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="ds4-bench-restore-") as td:
         tmp = Path(td)
-        path = find_model(args.model, tmp)
+        path = benchmark_model_path(args.model, tmp)
         model = ds4_mlx.load(path, numerics=args.numerics)
         cfg = model.config
         tokens = np.random.default_rng(1234).integers(0, cfg.n_vocab, 1 << 16)

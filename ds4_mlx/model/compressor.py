@@ -50,7 +50,6 @@ class Compressor:
         seq_k = mx.concatenate([state.kst[:n_front], k], axis=0)
         seq_g = mx.concatenate([state.gst[:n_front], g], axis=0)
         n_emit = (r0 + L) // R
-        rem = (r0 + L) % R
         first = n_front - r0  # index in seq of the first token of the first open window
 
         if R == 4:

@@ -24,6 +24,7 @@ import json
 import math
 import os
 import resource
+import sys
 import time
 import zlib
 from collections.abc import Callable, Iterator
@@ -685,3 +686,19 @@ def _peak_rss_bytes() -> int:
         pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if os.uname().sysname == "Darwin" else rss * 1024  # macOS reports bytes, Linux KiB
+
+
+def benchmark_model_path(arg: str | None, tmp_dir: str | os.PathLike) -> Path:
+    """The model a benchmark runs on: ``arg`` if given (must exist), else ``$DS4_MLX_TINY_MODEL`` or
+    ``/tmp/tiny/tiny.gguf`` when present, else a tiny model written into ``tmp_dir``."""
+    if arg:
+        if not Path(arg).is_file():
+            raise SystemExit(f"--model {arg}: no such file")
+        return Path(arg)
+    for cand in (os.environ.get("DS4_MLX_TINY_MODEL"), "/tmp/tiny/tiny.gguf"):
+        if cand and Path(cand).is_file():
+            return Path(cand)
+    out = Path(tmp_dir) / "tiny.gguf"
+    print(f"generating a tiny model into {out} ...", file=sys.stderr)
+    write_tiny_model(preset_config("tiny"), out, compute_sha256=False)
+    return out
