@@ -21,7 +21,8 @@ Reported:
   matmul weights (all of them run for every token) and of the routed experts actually selected
   (``ExpertWeights.bytes_selected``; ``bytes_read``: bytes copied out of the mmap, i.e. expert-cache
   misses), and the bytes the CPU backend's matmuls stream (float32: 4 bytes per parameter);
-* VmHWM (peak RSS) and VmRSS after load, warm-up, prefill and decode.
+* VmHWM (peak RSS) and VmRSS (anonymous / file-backed) and MLX's active and peak bytes after load,
+  warm-up, prefill and decode.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import time
 from pathlib import Path
 
 import ds4_mlx  # noqa: F401  (first: binds MLX to a fast BLAS before mlx.core loads)
+import mlx.core as mx
 import numpy as np
 
 from ds4_mlx.formats.ggml_types import GGMLType
@@ -46,13 +48,14 @@ MIB = float(1 << 20)
 
 
 def memory() -> dict[str, int]:
-    """VmHWM / VmRSS of this process in bytes (Linux); empty elsewhere."""
+    """VmHWM / VmRSS (and its split into RssAnon / RssFile: file = pages of the mmapped GGUF) of this
+    process in bytes (Linux); empty elsewhere."""
     out = {}
     try:
         with open("/proc/self/status") as fh:
             for line in fh:
                 key, _, rest = line.partition(":")
-                if key in ("VmHWM", "VmRSS"):
+                if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
                     out[key] = int(rest.split()[0]) * 1024
     except OSError:
         pass
@@ -60,9 +63,12 @@ def memory() -> dict[str, int]:
 
 
 def mem_line(label: str) -> dict[str, int]:
+    """Print the process memory and MLX's own counters (active: live arrays; peak since start)."""
     m = memory()
     if m:
-        print(f"  memory {label:<16} VmHWM {m['VmHWM'] / GIB:7.2f} GiB   VmRSS {m['VmRSS'] / GIB:7.2f} GiB")
+        split = f" (anon {m['RssAnon'] / GIB:.2f}, file {m['RssFile'] / GIB:.2f})" if "RssFile" in m else ""
+        print(f"  memory {label:<16} VmHWM {m['VmHWM'] / GIB:7.2f} GiB   VmRSS {m['VmRSS'] / GIB:7.2f} GiB{split}   "
+              f"MLX active {mx.get_active_memory() / GIB:.2f} GiB, peak {mx.get_peak_memory() / GIB:.2f} GiB")
     return m
 
 

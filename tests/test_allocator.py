@@ -34,3 +34,55 @@ def test_large_blocks_follow_the_setting(setting, reason, on_heap):
     env = dict(os.environ, DS4_MLX_MALLOPT=setting)
     out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == reason.split() + [on_heap]
+
+
+def _rss_file_bytes() -> int:
+    with open("/proc/self/status", encoding="ascii") as fh:
+        for line in fh:
+            if line.startswith("RssFile:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no RssFile in /proc/self/status")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise release is Linux-only")
+def test_release_file_pages_drops_residency_and_keeps_bytes(tiny_model_path):
+    import hashlib
+
+    import numpy as np
+
+    from ds4_mlx.allocator import release_file_pages
+    from ds4_mlx.formats.gguf import GGUFFile
+
+    f = GGUFFile(tiny_model_path)
+    emb = f.tensor_array("token_embd.weight")  # 126 MiB of F16 pages
+    before_hash = hashlib.sha256(np.ascontiguousarray(emb).tobytes()).hexdigest()  # touches every page
+    touched = _rss_file_bytes()
+    assert release_file_pages(emb)
+    released = _rss_file_bytes()
+    assert touched - released > 100 << 20, (touched, released)
+    assert hashlib.sha256(np.ascontiguousarray(emb).tobytes()).hexdigest() == before_hash
+
+
+def test_release_file_pages_refuses_ordinary_and_writable_memory(tmp_path):
+    import mmap
+
+    import numpy as np
+
+    from ds4_mlx.allocator import release_file_pages
+
+    assert not release_file_pages(np.ones(1000))
+    p = tmp_path / "w.bin"
+    p.write_bytes(b"x" * 8192)
+    with open(p, "r+b") as fh:
+        mm = mmap.mmap(fh.fileno(), 0)  # writable shared mapping: its pages must never be dropped
+        view = np.frombuffer(mm, dtype=np.uint8)
+        assert not release_file_pages(view)
+        assert view[:3].tobytes() == b"xxx"
+        del view
+        mm.close()
+
+
+def test_trim_heap_runs_only_when_tuned():
+    from ds4_mlx import allocator
+
+    assert allocator.trim_heap() is bool(allocator.status()["applied"])

@@ -21,9 +21,14 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
+from ds4_mlx import allocator
 from ds4_mlx.model.decode_cache import DecodeCache
 from ds4_mlx.model.linear import Numerics
 from ds4_mlx.model.state import InferenceError, ModelState
+
+
+# A prefill at least this long leaves GiBs of freed temporaries in the (tuned) heap: give them back.
+TRIM_AFTER_TOKENS = 256
 
 
 def _compile_default() -> bool:
@@ -94,6 +99,8 @@ class Session:
                 self._logits = logits
             i += take
         self.tokens.extend(int(t) for t in toks)
+        if toks.size >= TRIM_AFTER_TOKENS:
+            allocator.trim_heap()
 
     def _decode(self, toks: np.ndarray) -> None:
         if self._cache is None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from ds4_mlx import allocator
 from ds4_mlx.formats.config import ModelConfig
 from ds4_mlx.model.attention import Attention
 from ds4_mlx.model.decode_cache import DecodeCache
@@ -98,12 +99,20 @@ class Model:
         p0 = state.n_tokens
         H = self.embed(tokens)
         layers = []
+        # A chunk of many tokens reads nearly every expert slab of a layer out of the mapping; those
+        # clean file pages are released layer by layer (the whole GGUF mapping, found through the
+        # embedding's view) so they never pile up; one-token chunks (decode steps) keep theirs.
+        release = len(tokens) > 1
         for block, ls in zip(self.blocks, state.layers):
             H, ls = block(H, tokens, p0, ls, self.numerics)
             layers.append(ls)
             mx.eval(H, *_arrays(ls))
+            if release:
+                allocator.release_file_pages(self.embedding)
         new_state = ModelState(p0 + len(tokens), layers)
         logits = self.head(H[-1:])[0] if want_logits else None
+        if release:
+            allocator.release_file_pages(self.embedding)  # the output matrix, on its first use
         return logits, new_state
 
     def new_session(self, ctx: int | None = None, chunk: int = 2048, compile: bool | None = None):
