@@ -944,13 +944,10 @@ def _fsync_dir(directory: Path) -> None:
 
 
 @dataclass(frozen=True)
-class LoadedEntry:
-    """A loaded checkpoint. Unpacks as ``tokens, text, payload = store.load(entry)``."""
+class LoadedEntry(FileContents):
+    """A loaded checkpoint: the file's contents plus where they came from. Unpacks as
+    ``tokens, text, payload = store.load(entry)``."""
 
-    tokens: list[int]
-    text: bytes
-    payload: bytearray
-    tool_map: dict[str, str]
     entry: Entry
     consumed: bool  # the file was deleted after loading (more than cold_max_tokens tokens)
 
