@@ -5,6 +5,7 @@ Frontends (CLI, server, notebooks) talk to this and to sessions only; they never
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,8 +27,8 @@ class Engine:
         from ds4_mlx import load
 
         model = load(path, numerics=numerics)
-        gguf_file = getattr(model, "gguf", None)
-        tokenizer = Tokenizer.from_gguf(gguf_file if gguf_file is not None else path)
+        # the model keeps its GGUFFile open: build the tokenizer from it rather than reopening the file
+        tokenizer = Tokenizer.from_gguf(model.source)
         return cls(model=model, tokenizer=tokenizer, path=Path(path))
 
     @property
@@ -44,7 +45,7 @@ class Engine:
             self._model_id = model_fingerprint(self.model.source)
         return self._model_id
 
-    @property
+    @functools.cached_property
     def quant_bits(self) -> int:
         """Routed-expert quant bits as ds4's KV cache header records them (2 or 4)."""
         from ds4_mlx.formats.layout import routed_quant_bits
