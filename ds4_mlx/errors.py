@@ -52,6 +52,11 @@ class InferenceError(Ds4Error):
     context overflow, a serialized state with missing arrays or wrong shapes."""
 
 
+class NonFiniteError(InferenceError):
+    """The forward pass produced NaN or Inf (typically non-finite weights in the file): generation
+    stops instead of emitting tokens sampled from garbage, and no such state is ever stored."""
+
+
 class PayloadError(Ds4Error):
     """A session payload that cannot be loaded here: damaged, truncated, or made for another
     model, a larger context or another prefill chunk."""

@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from ds4_mlx import allocator
+from ds4_mlx.errors import NonFiniteError
 from ds4_mlx.formats.config import ModelConfig
 from ds4_mlx.model.attention import Attention
 from ds4_mlx.model.decode_cache import DecodeCache
@@ -98,6 +99,8 @@ class Model:
         tokens = np.asarray(tokens, dtype=np.int64)
         p0 = state.n_tokens
         H = self.embed(tokens)
+        where = f"positions {p0}..{p0 + len(tokens) - 1}"
+        _check_finite(H, "the token embedding", where, self.source)
         layers = []
         # A chunk of many tokens reads nearly every expert slab of a layer out of the mapping; those
         # clean file pages are released layer by layer (the whole GGUF mapping, found through the
@@ -107,10 +110,13 @@ class Model:
             H, ls = block(H, tokens, p0, ls, self.numerics)
             layers.append(ls)
             mx.eval(H, *_arrays(ls))
+            _check_finite(H, f"layer {block.il}", where, self.source)
             if release:
                 allocator.release_file_pages(self.embedding)
         new_state = ModelState(p0 + len(tokens), layers)
         logits = self.head(H[-1:])[0] if want_logits else None
+        if logits is not None:
+            _check_finite(logits, "the output head", where, self.source)
         if release:
             allocator.release_file_pages(self.embedding)  # the output matrix, on its first use
         return logits, new_state
@@ -119,6 +125,19 @@ class Model:
         from ds4_mlx.model.runner import Session
 
         return Session(self, ctx=ctx, chunk=chunk, compile=compile)
+
+
+def _check_finite(x: mx.array, what: str, where: str, source) -> None:
+    """Raise ``NonFiniteError`` naming the first stage whose output holds NaN/Inf.
+
+    Checked after every layer of a chunk, where the chunk path evaluates anyway (one small
+    reduction per layer, no extra pass), so a damaged file is named at the prompt's prefill and the
+    caller's state is left as it was (the new state is never returned). Decode steps are checked on
+    their logits by the session."""
+    if not mx.all(mx.isfinite(x)).item():
+        path = getattr(source, "path", None)
+        hint = f" (non-finite weights in {path}?)" if path else ""
+        raise NonFiniteError(f"{what} produced non-finite values (NaN/Inf) at {where}{hint}")
 
 
 def _arrays(ls: LayerState) -> list[mx.array]:
