@@ -139,3 +139,27 @@ class LiveServer:
         self.backend.begin_shutdown()
         self._server.should_exit = True
         self._thread.join(20)
+
+
+def http(url: str, method: str, path: str, body: bytes | str | None = None, headers: dict | None = None,
+         timeout: float = 20.0):
+    """(status, headers, body bytes) of one raw request (no client-side validation)."""
+    import http.client
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    try:
+        if isinstance(body, str):
+            body = body.encode()
+        h = {"Content-Type": "application/json"}
+        h.update(headers or {})
+        conn.request(method, path, body=body, headers=h)
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
+
+
+def sse_frames(raw: bytes) -> list[str]:
+    return [f for f in raw.decode().split("\n\n") if f]
