@@ -24,7 +24,6 @@ from ds4_mlx.frontends.server.events import (
     Content,
     Done,
     Event,
-    Prefill,
     Reasoning,
     Started,
     ToolArgs,
