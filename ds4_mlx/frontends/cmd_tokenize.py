@@ -32,6 +32,9 @@ def register(subparsers) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--text", help="text to tokenize")
     src.add_argument("--file", help="read the text from this file (UTF-8)")
+    src.add_argument("--messages", metavar="REQUEST.json",
+                     help="an OpenAI chat request body (messages, tools, tool_choice, thinking "
+                          "controls): print the ids `ds4-mlx serve` would prefill for it")
     p.add_argument("--chat", action="store_true", help="wrap the text in ds4's CLI chat template")
     p.add_argument("-sys", "--system", default=None,
                    help=f'--chat: system text (default "{DEFAULT_SYSTEM}"; "" for none)')
@@ -62,6 +65,27 @@ def _read_text(args: argparse.Namespace) -> str:
         raise TokenizerError(f"{args.file}: not valid UTF-8 (byte offset {exc.start})") from None
 
 
+def _read_request(path: str):
+    try:
+        with open(path, "rb") as fh:
+            return json.loads(fh.read())
+    except OSError as exc:
+        raise TokenizerError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except (ValueError, RecursionError) as exc:
+        raise TokenizerError(f"{path}: not a JSON request body ({str(exc).splitlines()[0]})") from None
+
+
+def tokenize_request(tok: Tokenizer, args: argparse.Namespace) -> list[int]:
+    """The server's renderer (one function shared with ``serve``), then its tokenization."""
+    from ds4_mlx.chat.request import openai_body_prompt
+
+    body = _read_request(args.messages)
+    # --nothink / --think-max override; otherwise the body's own thinking controls decide
+    think = args.think if args.think in ("none", "max") else None
+    text, _ = openai_body_prompt(body, ctx=args.ctx, think=think)
+    return tok.encode_rendered(text)
+
+
 def tokenize_args(tok: Tokenizer, text: str, args: argparse.Namespace) -> list[int]:
     if not args.chat:
         return tok.encode_rendered(text)
@@ -77,10 +101,10 @@ def piece_repr(data: bytes) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    text = _read_text(args)
+    text = None if args.messages is not None else _read_text(args)
     with GGUFFile(args.model) as f:
         tok = Tokenizer.from_gguf(f)
-    ids = tokenize_args(tok, text, args)
+    ids = tokenize_request(tok, args) if text is None else tokenize_args(tok, text, args)
     out = sys.stdout
     if args.json:
         pieces = [tok.token_text(i).decode("utf-8", errors="backslashreplace") for i in ids]

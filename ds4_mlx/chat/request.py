@@ -1,0 +1,96 @@
+"""API request -> rendered prompt: the one function shared by ``ds4-mlx serve`` and
+``ds4-mlx tokenize --messages`` so both prefill exactly the same ids.
+
+Also the thinking controls of the request bodies [ds4_server.c parse_thinking_controls]:
+``thinking`` ({"type":"enabled"|"disabled"} or a bool), ``think`` (bool), ``reasoning_effort``,
+``output_config.effort`` / ``reasoning.effort``, and the model aliases ``deepseek-chat`` (off) and
+``deepseek-reasoner`` (on) when no explicit control is present.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from ds4_mlx.chat.template import (
+    ThinkMode,
+    render_messages,
+    resolve_think_mode,
+    think_mode_from_effort,
+)
+from ds4_mlx.errors import ChatError
+
+MODEL_ALIASES = {"deepseek-chat": ThinkMode.NONE, "deepseek-reasoner": ThinkMode.HIGH}
+
+
+def _effort(value, where: str) -> ThinkMode:
+    if not isinstance(value, str):
+        raise ChatError(f"{where} must be a string")
+    return think_mode_from_effort(value)
+
+
+def requested_think_mode(body: Mapping) -> ThinkMode:
+    """The thinking mode a request asks for, before the context check (Think Max needs
+    393216 tokens of context; :func:`resolve_think_mode` applies that)."""
+    enabled: bool | None = None
+    effort: ThinkMode | None = None
+    thinking = body.get("thinking")
+    if isinstance(thinking, bool):
+        enabled = thinking
+    elif isinstance(thinking, Mapping):
+        kind = thinking.get("type")
+        if kind in ("enabled", "adaptive"):
+            enabled = True
+        elif kind == "disabled":
+            enabled = False
+        elif kind is not None:
+            raise ChatError(f"thinking.type must be enabled or disabled, got {kind!r}")
+    elif thinking is not None:
+        raise ChatError("thinking must be an object or a boolean")
+    think = body.get("think")
+    if think is not None:
+        if not isinstance(think, bool):
+            raise ChatError("think must be a boolean")
+        enabled = think
+    if body.get("reasoning_effort") is not None:
+        effort = _effort(body["reasoning_effort"], "reasoning_effort")
+    for key in ("output_config", "reasoning"):
+        sub = body.get(key)
+        if sub is None:
+            continue
+        if not isinstance(sub, Mapping):
+            raise ChatError(f"{key} must be an object")
+        if sub.get("effort") is not None:
+            effort = _effort(sub["effort"], f"{key}.effort")
+    if enabled is None and effort is None:
+        model = body.get("model")
+        return MODEL_ALIASES.get(model, ThinkMode.HIGH) if isinstance(model, str) else ThinkMode.HIGH
+    if enabled is False or effort is ThinkMode.NONE:
+        return ThinkMode.NONE
+    return ThinkMode.MAX if effort is ThinkMode.MAX else ThinkMode.HIGH
+
+
+def render_request(messages: Sequence[Mapping], tools=None, tool_choice="auto",
+                   think: ThinkMode | str = ThinkMode.HIGH, ctx: int = 32768) -> str:
+    """The rendered prompt text for a chat request; ``tool_choice`` "none" drops the tools prompt
+    as ds4 does.  Tokenize with ``Tokenizer.encode_rendered``."""
+    if tool_choice == "none":
+        tools = None
+    return render_messages(messages, tools=tools or None, think=think, ctx=ctx)
+
+
+def openai_body_prompt(body: Mapping, *, ctx: int = 32768, think: ThinkMode | str | None = None
+                       ) -> tuple[str, ThinkMode]:
+    """Rendered prompt and effective thinking mode for an OpenAI chat-completions body
+    (``messages``, ``tools``, ``tool_choice`` and the thinking controls); ``think`` overrides the
+    body's controls."""
+    if not isinstance(body, Mapping):
+        raise ChatError("request body must be a JSON object")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ChatError("missing messages (a non-empty array)")
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise ChatError("tools must be an array")
+    mode = resolve_think_mode(requested_think_mode(body) if think is None else think, ctx)
+    choice = body.get("tool_choice", "auto")
+    return render_request(messages, tools, choice, mode, ctx), mode

@@ -1,0 +1,86 @@
+"""`ds4-mlx serve -m MODEL`: OpenAI / Anthropic / Responses API server for coding agents.
+
+Endpoints: GET /v1/models, /v1/models/{id}, /health, /metrics; POST /v1/chat/completions,
+/v1/completions, /v1/messages, /v1/responses.  One inference worker; requests wait in a FIFO of
+at most --max-queue (503 + Retry-After beyond).  Binds 127.0.0.1 by default: pass --host 0.0.0.0
+and --api-key to serve a network.  SIGTERM/SIGINT: stop accepting, cancel what is running (its
+stream ends with finish "error", as ds4), then exit.
+
+tool_choice "required" / a named tool are passed to the engine as decoding constraints (the
+DSML block, or the named invoke, must open the answer); "none" drops the tools prompt."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from ds4_mlx.chat.template import DEFAULT_CTX
+from ds4_mlx.errors import Ds4Error
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="run the OpenAI/Anthropic-compatible API server",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-m", "--model", required=True, help="DS4 Flash GGUF file")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--ctx", type=int, default=DEFAULT_CTX, help=f"context size (default {DEFAULT_CTX})")
+    p.add_argument("--numerics", default="default", help="numerics mode of the model (see generate)")
+    p.add_argument("--model-id", default="deepseek-v4-flash", help="model id served (default %(default)s)")
+    p.add_argument("--kv-disk-dir", default=None, help="directory of the disk KV cache (off by default)")
+    p.add_argument("--kv-disk-space-mb", type=int, default=None, help="disk KV cache budget in MiB")
+    p.add_argument("--sessions", type=int, default=1, help="live KV sessions kept in RAM (default 1)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests allowed to wait for the worker (default 64); more get 503")
+    p.add_argument("--api-key", default=os.environ.get("DS4_MLX_API_KEY"),
+                   help="require this key (Authorization: Bearer or x-api-key); env DS4_MLX_API_KEY")
+    p.add_argument("--cors", action="store_true", help="send permissive CORS headers")
+    p.add_argument("--max-body-mb", type=float, default=16.0, help="request body limit (default 16 MiB)")
+    p.add_argument("--max-messages", type=int, default=4096, help="messages per request (default 4096)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=run)
+
+
+def _check(args: argparse.Namespace) -> None:
+    if not 0 < args.port < 65536:
+        raise Ds4Error(f"--port must be 1..65535, got {args.port}")
+    if args.ctx < 16:
+        raise Ds4Error(f"--ctx must be >= 16, got {args.ctx}")
+    if args.max_queue < 0:
+        raise Ds4Error(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.sessions < 1:
+        raise Ds4Error(f"--sessions must be >= 1, got {args.sessions}")
+    if args.max_body_mb <= 0 or args.max_messages < 1:
+        raise Ds4Error("--max-body-mb and --max-messages must be positive")
+    if args.api_key is not None and not args.api_key:
+        raise Ds4Error("--api-key must not be empty")
+    if not os.path.isfile(args.model):
+        raise Ds4Error(f"{args.model}: no such model file")
+
+
+def serve(app, backend, host: str, port: int, log_level: str = "info") -> None:
+    """Run ``app`` with uvicorn until SIGTERM/SIGINT, cancelling in-flight work first."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            backend.begin_shutdown()  # in-flight streams end now, so uvicorn can drain quickly
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30,
+                            lifespan="on")
+    _Server(config).run()
+
+
+def run(args: argparse.Namespace) -> int:
+    _check(args)
+    from ds4_mlx.frontends.server import EngineBackend, ServerConfig, create_app
+
+    backend = EngineBackend(args.model, ctx=args.ctx, numerics=args.numerics, kv_disk_dir=args.kv_disk_dir,
+                            kv_disk_space_mb=args.kv_disk_space_mb, sessions=args.sessions,
+                            max_queue=args.max_queue, model_id=args.model_id)
+    config = ServerConfig(ctx=args.ctx, model_id=args.model_id, api_key=args.api_key, cors=args.cors,
+                          max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+                          max_messages=args.max_messages)
+    serve(create_app(backend, config), backend, args.host, args.port, args.log_level)
+    return 0

@@ -1,0 +1,347 @@
+"""The Starlette application: routes, API key, CORS, request limits, error bodies, metrics.
+
+Starlette (over uvicorn) because the server needs plain ASGI control - exact ds4 JSON and SSE
+bytes, early SSE headers during prefill, disconnect detection - and no schema layer of its own:
+every validation error must come out in the shape of the API the client speaks."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ds4_mlx.chat.request import MODEL_ALIASES, render_request
+from ds4_mlx.chat.template import THINK_MAX_MIN_CONTEXT, ThinkMode
+from ds4_mlx.errors import ChatError
+from ds4_mlx.frontends.server import anthropic_api, openai_api, parse, responses_api
+from ds4_mlx.frontends.server.backend import Backend, QueueFull, ShuttingDown
+from ds4_mlx.frontends.server.events import BackendError, Done, Started
+from ds4_mlx.frontends.server.http_errors import (
+    ApiError,
+    error_response,
+    protocol_of_path,
+    stream_error_event,
+)
+from ds4_mlx.frontends.server.metrics import Metrics
+from ds4_mlx.frontends.server.replay import ReplayMap
+from ds4_mlx.frontends.server.turn import Tick, Turn, new_id
+
+log = logging.getLogger("ds4_mlx.server")
+
+CREATED = 1767225600  # fixed "created" of the model object, as ds4
+
+
+@dataclass
+class ServerConfig:
+    ctx: int = 32768
+    model_id: str = "deepseek-v4-flash"
+    api_key: str | None = None
+    cors: bool = False
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_json_depth: int = 64
+    max_messages: int = 4096
+    keepalive_s: float = 5.0   # ": prefill" comment period during long prefills
+    retry_after_s: int = 5
+    replay_max_ids: int = 100_000
+    max_output: int = 393216   # ds4 -n default, reported as max_completion_tokens
+
+
+def _json_depth_ok(value, limit: int) -> bool:
+    stack = [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            if d > limit:
+                return False
+            items = v.values() if isinstance(v, dict) else v
+            stack.extend((x, d + 1) for x in items if isinstance(x, (dict, list)))
+    return True
+
+
+class Server:
+    def __init__(self, backend: Backend, config: ServerConfig) -> None:
+        self.backend = backend
+        self.config = config
+        self.metrics = Metrics()
+        self.replay = ReplayMap(config.replay_max_ids)
+        self.limits = parse.Limits(ctx=config.ctx, max_messages=config.max_messages,
+                                   model_id=config.model_id)
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    async def read_json(self, request: Request):
+        cap = self.config.max_body_bytes
+        length = request.headers.get("content-length")
+        if length is not None:
+            try:
+                if int(length) > cap:
+                    raise ApiError(413, f"request body is larger than {cap} bytes")
+            except ValueError:
+                raise ApiError(400, "bad Content-Length header") from None
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > cap:
+                raise ApiError(413, f"request body is larger than {cap} bytes")
+            chunks.append(chunk)
+        try:
+            body = json.loads(b"".join(chunks))
+        except RecursionError:
+            raise ApiError(400, "invalid JSON request: nesting too deep") from None
+        except ValueError:
+            raise ApiError(400, "invalid JSON request") from None
+        if not _json_depth_ok(body, self.config.max_json_depth):
+            raise ApiError(400, f"invalid JSON request: nesting deeper than {self.config.max_json_depth}")
+        return body
+
+    def model_object(self) -> dict:
+        ctx = self.config.ctx
+        return {"id": self.config.model_id, "object": "model", "created": CREATED, "owned_by": "ds4-mlx",
+                "name": "DeepSeek V4 Flash", "context_length": ctx,
+                "top_provider": {"context_length": ctx, "max_completion_tokens": min(self.config.max_output, ctx),
+                                 "is_moderated": False},
+                "supported_parameters": ["tools", "tool_choice", "max_tokens", "temperature", "top_p",
+                                         "top_k", "min_p", "stop", "seed", "stream", "reasoning_effort"]}
+
+    # -- GET endpoints ----------------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self.model_object()]})
+
+    async def model(self, request: Request) -> Response:
+        mid = request.path_params["model_id"]
+        if mid != self.config.model_id and mid not in MODEL_ALIASES:
+            raise ApiError(404, f"unknown model {mid!r}", code="model_not_found")
+        return JSONResponse(dict(self.model_object(), id=mid))
+
+    async def health(self, request: Request) -> Response:
+        ok = self.backend.alive
+        return JSONResponse({"status": "ok" if ok else "unavailable", "model": self.config.model_id,
+                             "queue_depth": self.backend.queue_depth, "busy": self.backend.busy},
+                            status_code=200 if ok else 503)
+
+    async def metrics_text(self, request: Request) -> Response:
+        return Response(self.metrics.render(queue_depth=self.backend.queue_depth, busy=self.backend.busy),
+                        media_type="text/plain; version=0.0.4")
+
+    # -- generation -------------------------------------------------------------------------
+
+    async def chat(self, request: Request) -> Response:
+        parsed = parse.parse_chat(await self.read_json(request), self.limits, request.headers)
+        rid = new_id("chatcmpl-", 24)
+        return await self.generate(request, parsed, "call_",
+                                   lambda t: openai_api.chat_stream(t, parsed, rid),
+                                   lambda r: openai_api.chat_body(r, parsed, rid, int(time.time())))
+
+    async def completions(self, request: Request) -> Response:
+        parsed = parse.parse_completion(await self.read_json(request), self.limits, request.headers)
+        rid = new_id("cmpl-", 24)
+        return await self.generate(request, parsed, "call_",
+                                   lambda t: openai_api.completion_stream(t, parsed, rid),
+                                   lambda r: openai_api.completion_body(r, parsed, rid, int(time.time())))
+
+    async def messages(self, request: Request) -> Response:
+        parsed = parse.parse_messages(await self.read_json(request), self.limits, request.headers)
+        mid = new_id("msg_", 24)
+        return await self.generate(request, parsed, "toolu_",
+                                   lambda t: anthropic_api.message_stream(t, parsed, mid),
+                                   lambda r: anthropic_api.message_body(r, parsed, mid))
+
+    async def responses(self, request: Request) -> Response:
+        parsed = parse.parse_responses(await self.read_json(request), self.limits, request.headers)
+        rid = new_id("resp_", 24)
+        return await self.generate(request, parsed, "call_",
+                                   lambda t: responses_api.response_stream(t, parsed, rid),
+                                   lambda r: responses_api.response_body(r, parsed, rid, int(time.time())))
+
+    def _headers(self, parsed: parse.Parsed) -> dict:
+        h = {}
+        if parsed.think_requested is ThinkMode.MAX and parsed.request.think is not ThinkMode.MAX:
+            h["x-ds4-think"] = (f"max refused: context {self.config.ctx} < {THINK_MAX_MIN_CONTEXT}; "
+                                "using high")
+        return h
+
+    async def generate(self, request: Request, parsed: parse.Parsed, call_prefix: str,
+                       stream_fn: Callable, body_fn: Callable) -> Response:
+        req = parsed.request
+        protocol = protocol_of_path(request.url.path)
+        try:  # render now so a malformed transcript is a 400 before anything is queued
+            render_request(req.messages, req.tools, req.tool_choice, req.think, self.config.ctx)
+        except ChatError as exc:
+            raise ApiError(400, str(exc)) from None
+        req.messages = self.replay.apply(req.messages)
+        headers = self._headers(parsed)
+        try:
+            job = self.backend.submit(req)
+        except QueueFull:
+            raise ApiError(503, "server busy: the request queue is full",
+                           headers={"Retry-After": str(self.config.retry_after_s)}) from None
+        except ShuttingDown:
+            raise ApiError(503, "server shutting down") from None
+        turn = Turn(self.backend, job, call_prefix=call_prefix, replay=self.replay, metrics=self.metrics,
+                    tick_s=self.config.keepalive_s)
+        watcher = asyncio.create_task(self._watch_disconnect(request, turn))
+        try:
+            first = await turn.__anext__()
+        except BackendError as exc:
+            turn.done = True
+            watcher.cancel()
+            raise ApiError(exc.status, exc.message, code=exc.code, param=exc.param, extra=exc.extra) from None
+        except BaseException:
+            watcher.cancel()
+            turn.close()
+            raise
+        if isinstance(first, Started):
+            headers["x-ds4-cache"] = (f"source={first.cache_source}; reused={first.cached_tokens}")
+        turn._queue.insert(0, first)
+
+        if req.stream:
+            async def body():
+                try:
+                    async for chunk in stream_fn(turn):
+                        yield chunk
+                except BackendError as exc:
+                    turn.done = True
+                    yield stream_error_event(exc.message, protocol)
+                finally:
+                    watcher.cancel()
+                    turn.close()
+
+            headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
+
+        try:
+            async for ev in turn:
+                if isinstance(ev, Tick) or not isinstance(ev, Done):
+                    continue
+        except BackendError as exc:
+            turn.done = True
+            raise ApiError(exc.status, exc.message, code=exc.code, param=exc.param, extra=exc.extra) from None
+        finally:
+            watcher.cancel()
+            turn.close()
+        r = turn.result
+        if r.finish == "error" and not (r.content or r.reasoning or r.calls) and r.error:
+            raise ApiError(500 if r.error != "server shutting down" else 503, r.error)
+        headers["x-ds4-cache"] = f"source={r.cache_source}; reused={r.cached_tokens}"
+        return JSONResponse(body_fn(r), headers=headers)
+
+    async def _watch_disconnect(self, request: Request, turn: Turn) -> None:
+        """Cancel the generation as soon as the client goes away (the body is already read, so
+        the next ASGI message can only be the disconnect)."""
+        try:
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    turn.close()
+                    return
+        except asyncio.CancelledError:
+            pass
+        except Exception:  # a server without receive after the body: nothing to watch
+            return
+
+
+def _wrap(server: Server, fn):
+    async def endpoint(request: Request) -> Response:
+        protocol = protocol_of_path(request.url.path)
+        try:
+            response = await fn(request)
+        except ApiError as err:
+            response = error_response(err, protocol)
+        except Exception:
+            log.exception("unhandled error in %s", request.url.path)
+            response = error_response(ApiError(500, "internal server error"), protocol)
+        server.metrics.request(request.url.path if not request.url.path.startswith("/v1/models/")
+                               else "/v1/models/{id}", response.status_code)
+        return response
+    return endpoint
+
+
+class _Guard:
+    """ASGI middleware: OPTIONS preflight, CORS headers, API key; all errors as JSON."""
+
+    def __init__(self, app, config: ServerConfig) -> None:
+        self.app = app
+        self.config = config
+        self.key = config.api_key.encode() if config.api_key else None
+
+    def _authorized(self, headers: dict) -> bool:
+        given = headers.get(b"x-api-key")
+        auth = headers.get(b"authorization")
+        if given is None and auth is not None and auth[:7].lower() == b"bearer ":
+            given = auth[7:].strip()
+        return given is not None and hmac.compare_digest(given, self.key)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        cors = [(b"access-control-allow-origin", b"*"),
+                (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
+                (b"access-control-allow-headers", b"*")] if self.config.cors else []
+
+        async def send_with_cors(message):
+            if message["type"] == "http.response.start" and cors:
+                message = dict(message, headers=list(message.get("headers", [])) + cors)
+            await send(message)
+
+        if scope["method"] == "OPTIONS":
+            return await Response(status_code=204)(scope, receive, send_with_cors)
+        if self.key is not None and scope["path"] != "/health":
+            headers = dict(scope.get("headers") or [])
+            if not self._authorized(headers):
+                err = ApiError(401, "invalid or missing API key")
+                return await error_response(err, protocol_of_path(scope["path"]),
+                                            {"WWW-Authenticate": "Bearer"})(scope, receive, send_with_cors)
+        return await self.app(scope, receive, send_with_cors)
+
+
+def create_app(backend: Backend, config: ServerConfig | None = None) -> Starlette:
+    """The ASGI app.  The backend is started in the app's startup and closed at shutdown."""
+    config = config or ServerConfig()
+    server = Server(backend, config)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        await asyncio.to_thread(backend.start)
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(backend.close)
+
+    async def not_found(request: Request, exc: HTTPException) -> Response:
+        protocol = protocol_of_path(request.url.path)
+        if exc.status_code == 404:
+            server.metrics.request("unknown", 404)
+            return error_response(ApiError(404, "unknown endpoint"), protocol)
+        return error_response(ApiError(exc.status_code, str(exc.detail)), protocol)
+
+    async def internal(request: Request, exc: Exception) -> Response:
+        log.error("unhandled error in %s: %r", request.url.path, exc)
+        return error_response(ApiError(500, "internal server error"), protocol_of_path(request.url.path))
+
+    routes = [
+        Route("/v1/models", _wrap(server, server.models), methods=["GET"]),
+        Route("/v1/models/{model_id:path}", _wrap(server, server.model), methods=["GET"]),
+        Route("/health", _wrap(server, server.health), methods=["GET"]),
+        Route("/metrics", _wrap(server, server.metrics_text), methods=["GET"]),
+        Route("/v1/chat/completions", _wrap(server, server.chat), methods=["POST"]),
+        Route("/v1/completions", _wrap(server, server.completions), methods=["POST"]),
+        Route("/v1/messages", _wrap(server, server.messages), methods=["POST"]),
+        Route("/v1/responses", _wrap(server, server.responses), methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={HTTPException: not_found, Exception: internal})
+    app.state.server = server
+    app.add_middleware(_Guard, config=config)
+    return app

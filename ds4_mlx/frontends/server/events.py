@@ -1,0 +1,131 @@
+"""Protocol-neutral request and events: the only vocabulary shared by the HTTP side and the
+inference backend.  Nothing here knows about JSON shapes of a given API or about tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from ds4_mlx.chat.template import ThinkMode
+
+
+@dataclass
+class ChatRequest:
+    """One generation request, already validated.
+
+    ``messages`` are OpenAI-shaped dicts (role, content, reasoning_content, tool_calls, raw_dsml),
+    whichever API they came from; ``tools`` the schemas as sent (None when ``tool_choice`` is
+    "none", so the tools prompt is omitted as ds4 does).
+
+    ``tool_choice`` is "auto", "none", "required" or ``{"name": N}``.  "required" and a named
+    choice are decoding-side constraints (the engine must open the DSML block / the named invoke
+    as the first thing after reasoning); the server only carries them to the backend.
+
+    ``raw_output`` (``/v1/completions``): the generated text is returned as is - reasoning and
+    ``</think>`` inline, no tool parsing."""
+
+    messages: list[dict]
+    tools: list | None = None
+    tool_choice: Any = "auto"
+    think: ThinkMode = ThinkMode.HIGH
+    max_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    min_p: float = 0.05
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    raw_output: bool = False
+    session_id: str | None = None
+    model: str = "deepseek-v4-flash"
+
+
+# -------------------------------------------------------------------------------------------
+# Events yielded by a backend, in this order:
+#   [Prefill*] Started (Reasoning|Content|ToolStart|ToolArgs|ToolEnd)* Done
+# A backend that rejects the request before prefill raises BackendError instead.
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """Prefill progress (optional; the server sends keepalives on its own timer anyway)."""
+
+    done: int
+    total: int
+
+
+@dataclass(frozen=True)
+class Started:
+    """Prefill finished: the prompt size and how much of it came from a cache."""
+
+    prompt_tokens: int
+    cached_tokens: int = 0
+    cache_source: str = "none"  # live | disk | none
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    text: str
+
+
+@dataclass(frozen=True)
+class Content:
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolStart:
+    """The invoke tag of call ``index`` is complete; ``id`` is filled in by the server."""
+
+    index: int
+    name: str
+    id: str | None = None
+
+
+@dataclass(frozen=True)
+class ToolArgs:
+    """A fragment of the call's JSON arguments; fragments concatenate to ``ToolEnd.arguments``."""
+
+    index: int
+    fragment: str
+
+
+@dataclass(frozen=True)
+class ToolEnd:
+    index: int
+    name: str
+    arguments: str
+    id: str | None = None
+
+
+@dataclass(frozen=True)
+class Done:
+    """End of generation.  ``finish``: stop | length | tool_calls | cancelled | error.
+    ``raw_dsml`` is the exact sampled tool-call block (for exact replay), ``error`` a one-line
+    reason when ``finish`` is "error"."""
+
+    finish: str
+    completion_tokens: int = 0
+    raw_dsml: str | None = None
+    error: str | None = None
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+
+Event = Union[Prefill, Started, Reasoning, Content, ToolStart, ToolArgs, ToolEnd, Done]
+
+
+class BackendError(Exception):
+    """A request the backend refuses before generating (context overflow, bad token...), or an
+    internal failure.  ``status`` is the HTTP status; ``code``/``param``/``extra`` go into the
+    protocol's error body; the message is one line and never a traceback."""
+
+    def __init__(self, status: int, message: str, *, code: str | None = None,
+                 param: str | None = None, extra: dict | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.extra = extra or {}

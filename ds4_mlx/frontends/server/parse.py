@@ -1,0 +1,434 @@
+"""Request bodies of the four APIs -> :class:`~.events.ChatRequest`.
+
+Parsers are selective like ds4's: unknown fields are ignored, any ``model`` string is accepted
+and echoed.  Every malformed field raises :class:`~.http_errors.ApiError` (400) naming it.
+Anthropic and Responses transcripts are converted to OpenAI-shaped messages here, so the one
+chat renderer (:func:`ds4_mlx.chat.request.render_request`) sees a single message shape."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ds4_mlx.chat.request import requested_think_mode
+from ds4_mlx.chat.template import DEFAULT_SYSTEM, ThinkMode, content_text, resolve_think_mode
+from ds4_mlx.errors import ChatError
+from ds4_mlx.frontends.server.events import ChatRequest
+from ds4_mlx.frontends.server.http_errors import ApiError
+
+MAX_STOPS = 16
+MAX_STOP_CHARS = 1024
+
+
+@dataclass
+class Limits:
+    ctx: int = 32768
+    max_messages: int = 4096
+    model_id: str = "deepseek-v4-flash"
+
+
+@dataclass
+class Parsed:
+    request: ChatRequest
+    think_requested: ThinkMode
+    include_reasoning: bool = True  # Responses: only with reasoning.summary
+    include_usage: bool = False     # OpenAI stream_options.include_usage
+
+
+def bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+def _object(body) -> Mapping:
+    if not isinstance(body, Mapping):
+        raise bad("request body must be a JSON object")
+    return body
+
+
+def _number(body: Mapping, key: str, default: float, lo: float, hi: float) -> float:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise bad(f"{key} must be a number", key)
+    if not lo <= v <= hi:
+        raise bad(f"{key} must be between {lo:g} and {hi:g}, got {v}", key)
+    return float(v)
+
+
+def _int(body: Mapping, key: str, default: int | None, lo: int) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad(f"{key} must be an integer", key)
+    if v < lo:
+        raise bad(f"{key} must be >= {lo}, got {v}", key)
+    return v
+
+
+def _stops(value, key: str) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise bad(f"{key} must be a string or an array of strings", key)
+    if len(value) > MAX_STOPS:
+        raise bad(f"{key}: at most {MAX_STOPS} stop strings", key)
+    if any(len(s) > MAX_STOP_CHARS for s in value):
+        raise bad(f"{key}: a stop string is longer than {MAX_STOP_CHARS} characters", key)
+    return [s for s in value if s]
+
+
+def _think(body: Mapping, ctx: int) -> tuple[ThinkMode, ThinkMode]:
+    try:
+        requested = requested_think_mode(body)
+    except ChatError as exc:
+        raise bad(str(exc)) from None
+    return requested, resolve_think_mode(requested, ctx)
+
+
+def _common(body: Mapping, limits: Limits, max_keys: tuple[str, ...], stop_key: str,
+            headers: Mapping) -> dict:
+    model = body.get("model", limits.model_id)
+    if not isinstance(model, str):
+        raise bad("model must be a string", "model")
+    max_tokens = None
+    for k in max_keys:
+        max_tokens = _int(body, k, max_tokens, 1) if body.get(k) is not None else max_tokens
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad("stream must be a boolean", "stream")
+    session = headers.get("x-session-id")
+    if session is not None and (len(session) > 256 or not session.isprintable()):
+        raise bad("X-Session-Id must be printable and at most 256 characters")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise bad("seed must be an integer", "seed")
+    return dict(
+        model=model,
+        max_tokens=min(max_tokens or limits.ctx, limits.ctx),  # clamped to the context
+        temperature=_number(body, "temperature", 1.0, 0.0, 100.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
+        min_p=_number(body, "min_p", 0.05, 0.0, 1.0),
+        top_k=_int(body, "top_k", 0, 0),
+        seed=seed,
+        stop=_stops(body.get(stop_key), stop_key),
+        stream=stream,
+        session_id=session,
+    )
+
+
+def _check_count(messages: list, limits: Limits, key: str) -> None:
+    if len(messages) > limits.max_messages:
+        raise ApiError(413, f"{key}: {len(messages)} items, the limit is {limits.max_messages}",
+                       param=key)
+
+
+def _tools(value, key: str = "tools") -> list | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(t, Mapping) for t in value):
+        raise bad(f"{key} must be an array of objects", key)
+    return list(value) or None
+
+
+def _text(value, where: str) -> str:
+    try:
+        return content_text(value)
+    except ChatError as exc:
+        raise bad(f"{where}: {exc}") from None
+
+
+# -------------------------------------------------------------------------------------------
+# OpenAI chat completions and completions
+
+
+def _openai_tool_choice(value):
+    if value is None or value in ("auto", "none", "required"):
+        return value or "auto"
+    if isinstance(value, Mapping):
+        fn = value.get("function")
+        name = fn.get("name") if isinstance(fn, Mapping) else value.get("name")
+        if isinstance(name, str) and name:
+            return {"name": name}
+    raise bad('tool_choice must be "none", "auto", "required" or {"type":"function",'
+              '"function":{"name":...}}', "tool_choice")
+
+
+def _openai_messages(messages) -> list[dict]:
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise bad(f"messages[{i}] must be an object", "messages")
+        role = m.get("role")
+        if not isinstance(role, str):
+            raise bad(f"messages[{i}].role must be a string", "messages")
+        msg = {k: v for k, v in m.items() if k != "raw_dsml"}  # only the server sets raw_dsml
+        _text(m.get("content"), f"messages[{i}].content")
+        calls = m.get("tool_calls")
+        if calls is not None and (not isinstance(calls, list)
+                                  or not all(isinstance(c, Mapping) for c in calls)):
+            raise bad(f"messages[{i}].tool_calls must be an array of objects", "messages")
+        out.append(msg)
+    return out
+
+
+def parse_chat(body, limits: Limits, headers: Mapping = {}) -> Parsed:
+    body = _object(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("missing messages", "messages")
+    _check_count(messages, limits, "messages")
+    requested, think = _think(body, limits.ctx)
+    choice = _openai_tool_choice(body.get("tool_choice"))
+    tools = _tools(body.get("tools"))
+    so = body.get("stream_options")
+    include_usage = isinstance(so, Mapping) and so.get("include_usage") is True
+    req = ChatRequest(messages=_openai_messages(messages), tools=None if choice == "none" else tools,
+                      tool_choice=choice, think=think,
+                      **_common(body, limits, ("max_tokens", "max_completion_tokens"), "stop", headers))
+    return Parsed(req, requested, include_usage=include_usage)
+
+
+def parse_completion(body, limits: Limits, headers: Mapping = {}) -> Parsed:
+    body = _object(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        prompt = next((p for p in prompt if isinstance(p, str)), None)
+    if not isinstance(prompt, str):
+        raise bad("missing prompt", "prompt")
+    requested, think = _think(body, limits.ctx)
+    so = body.get("stream_options")
+    messages = [{"role": "system", "content": DEFAULT_SYSTEM}, {"role": "user", "content": prompt}]
+    req = ChatRequest(messages=messages, think=think, raw_output=True,
+                      **_common(body, limits, ("max_tokens",), "stop", headers))
+    return Parsed(req, requested,
+                  include_usage=isinstance(so, Mapping) and so.get("include_usage") is True)
+
+
+# -------------------------------------------------------------------------------------------
+# Anthropic messages
+
+
+def _anthropic_system(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise bad("system must be a string or an array of text blocks", "system")
+    parts = []
+    for block in value:
+        if not isinstance(block, Mapping) or not isinstance(block.get("text", ""), str):
+            raise bad("system blocks must be objects with a text string", "system")
+        text = block.get("text", "")
+        if not text.startswith("x-anthropic-"):  # client billing headers, not instructions
+            parts.append(text)
+    return "\n\n".join(p for p in parts if p)
+
+
+def _anthropic_tool_choice(value):
+    if value is None:
+        return "auto"
+    if not isinstance(value, Mapping):
+        raise bad("tool_choice must be an object", "tool_choice")
+    kind = value.get("type")
+    if kind == "none":
+        return "none"
+    if kind == "auto":
+        return "auto"
+    if kind == "any":
+        return "required"
+    if kind == "tool" and isinstance(value.get("name"), str) and value["name"]:
+        return {"name": value["name"]}
+    raise bad('tool_choice.type must be "auto", "any", "tool" (with name) or "none"', "tool_choice")
+
+
+def _result_text(value, where: str) -> str:
+    if isinstance(value, list):
+        return _text([b for b in value if isinstance(b, Mapping) and b.get("type", "text") == "text"],
+                     where)
+    return _text(value, where)
+
+
+def _anthropic_messages(messages) -> list[dict]:
+    out: list[dict] = []
+    seen_ids: set[str] = set()
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, Mapping) or m.get("role") not in ("user", "assistant"):
+            raise bad(f"{where} must be an object with role user or assistant", "messages")
+        content = m.get("content")
+        if isinstance(content, str):
+            out.append({"role": m["role"], "content": content})
+            continue
+        if not isinstance(content, list):
+            raise bad(f"{where}.content must be a string or an array of blocks", "messages")
+        texts: list[str] = []
+        reasoning: list[str] = []
+        calls: list[dict] = []
+        for j, b in enumerate(content):
+            if not isinstance(b, Mapping):
+                raise bad(f"{where}.content[{j}] must be an object", "messages")
+            kind = b.get("type")
+            if kind == "text":
+                texts.append(_text(b.get("text", ""), f"{where}.content[{j}].text"))
+            elif kind == "thinking" and m["role"] == "assistant":
+                reasoning.append(_text(b.get("thinking", ""), f"{where}.content[{j}].thinking"))
+            elif kind == "tool_use" and m["role"] == "assistant":
+                tid, name, inp = b.get("id"), b.get("name"), b.get("input", {})
+                if not isinstance(tid, str) or not isinstance(name, str) or not isinstance(inp, Mapping):
+                    raise bad(f"{where}.content[{j}]: tool_use needs id, name and an input object",
+                              "messages")
+                seen_ids.add(tid)
+                calls.append({"id": tid, "type": "function", "function": {
+                    "name": name, "arguments": json.dumps(inp, ensure_ascii=False, separators=(",", ":"))}})
+            elif kind == "tool_result" and m["role"] == "user":
+                tid = b.get("tool_use_id")
+                if not isinstance(tid, str) or tid not in seen_ids:
+                    raise bad(f"{where}.content[{j}]: tool_result {tid!r} has no matching tool_use "
+                              "earlier in this request; replay the full history", "messages")
+                out.append({"role": "tool", "tool_call_id": tid,
+                            "content": _result_text(b.get("content", ""), f"{where}.content[{j}].content")})
+            # images, documents, redacted thinking...: skipped, as ds4 does
+        if m["role"] == "assistant":
+            msg: dict = {"role": "assistant", "content": "".join(texts)}
+            if reasoning:
+                msg["reasoning_content"] = "".join(reasoning)
+            if calls:
+                msg["tool_calls"] = calls
+            out.append(msg)
+        elif texts:
+            out.append({"role": "user", "content": "".join(texts)})
+    return out
+
+
+def parse_messages(body, limits: Limits, headers: Mapping = {}) -> Parsed:
+    body = _object(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("missing messages", "messages")
+    _check_count(messages, limits, "messages")
+    requested, think = _think(body, limits.ctx)
+    choice = _anthropic_tool_choice(body.get("tool_choice"))
+    tools = _tools(body.get("tools"))
+    system = _anthropic_system(body.get("system"))
+    msgs = ([{"role": "system", "content": system}] if system else []) + _anthropic_messages(messages)
+    req = ChatRequest(messages=msgs, tools=None if choice == "none" else tools, tool_choice=choice,
+                      think=think, **_common(body, limits, ("max_tokens",), "stop_sequences", headers))
+    return Parsed(req, requested)
+
+
+# -------------------------------------------------------------------------------------------
+# OpenAI Responses
+
+
+def _responses_tool_choice(value):
+    if value is None or value in ("auto", "none", "required"):
+        return value or "auto"
+    if isinstance(value, Mapping) and value.get("type") == "function" and isinstance(value.get("name"), str):
+        return {"name": value["name"]}
+    raise bad('tool_choice must be "auto", "none", "required" or {"type":"function","name":...}',
+              "tool_choice")
+
+
+def _item_text(value, where: str) -> str:
+    if isinstance(value, list):
+        value = [p for p in value if isinstance(p, Mapping)
+                 and p.get("type", "input_text") in ("input_text", "output_text", "text")]
+    return _text(value, where)
+
+
+def _responses_input(items) -> list[dict]:
+    out: list[dict] = []
+    pending_reasoning: list[str] = []
+
+    def assistant() -> dict:
+        if out and out[-1]["role"] == "assistant" and not out[-1].get("_closed"):
+            return out[-1]
+        msg = {"role": "assistant", "content": ""}
+        if pending_reasoning:
+            msg["reasoning_content"] = "".join(pending_reasoning)
+            pending_reasoning.clear()
+        out.append(msg)
+        return msg
+
+    for i, it in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(it, Mapping):
+            raise bad(f"{where} must be an object", "input")
+        kind = it.get("type", "message" if "role" in it else None)
+        if kind == "message":
+            role = it.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise bad(f"{where}.role must be user, assistant, system or developer", "input")
+            text = _item_text(it.get("content"), f"{where}.content")
+            if role == "assistant":
+                msg = assistant()
+                msg["content"] += text
+            else:
+                if out and out[-1]["role"] == "assistant":
+                    out[-1]["_closed"] = True
+                out.append({"role": role, "content": text})
+        elif kind == "reasoning":
+            summary = it.get("summary") or []
+            if isinstance(summary, list):
+                pending_reasoning.append("".join(s.get("text", "") for s in summary
+                                                 if isinstance(s, Mapping) and isinstance(s.get("text"), str)))
+        elif kind in ("function_call", "custom_tool_call"):
+            cid, name = it.get("call_id"), it.get("name")
+            if not isinstance(cid, str) or not isinstance(name, str):
+                raise bad(f"{where}: {kind} needs call_id and name strings", "input")
+            if kind == "function_call":
+                args = it.get("arguments", "{}")
+                if not isinstance(args, str):
+                    raise bad(f"{where}.arguments must be a string", "input")
+            else:
+                inp = it.get("input", "")
+                if not isinstance(inp, str):
+                    raise bad(f"{where}.input must be a string", "input")
+                args = json.dumps({"input": inp}, ensure_ascii=False, separators=(",", ":"))
+            assistant().setdefault("tool_calls", []).append(
+                {"id": cid, "type": "function", "function": {"name": name, "arguments": args}})
+        elif kind in ("function_call_output", "custom_tool_call_output"):
+            if out and out[-1]["role"] == "assistant":
+                out[-1]["_closed"] = True
+            output = it.get("output", "")
+            text = output if isinstance(output, str) else _item_text(output, f"{where}.output")
+            out.append({"role": "tool", "tool_call_id": it.get("call_id"), "content": text})
+        # other items (web_search_call, compaction, ...) are bookkeeping: skipped as in ds4
+    for m in out:
+        m.pop("_closed", None)
+    return out
+
+
+def parse_responses(body, limits: Limits, headers: Mapping = {}) -> Parsed:
+    body = _object(body)
+    for key in ("previous_response_id", "conversation"):
+        if body.get(key) is not None:
+            raise bad(f"{key} is not supported: replay the full input instead", key)
+    items = body.get("input")
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise bad("missing input", "input")
+    _check_count(items, limits, "input")
+    requested, think = _think(body, limits.ctx)
+    choice = _responses_tool_choice(body.get("tool_choice"))
+    tools = _tools(body.get("tools"))
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise bad("instructions must be a string", "instructions")
+    msgs = ([{"role": "system", "content": instructions}] if instructions else []) + _responses_input(items)
+    if not msgs:
+        raise bad("missing input", "input")
+    reasoning = body.get("reasoning")
+    include_reasoning = isinstance(reasoning, Mapping) and reasoning.get("summary") is not None
+    req = ChatRequest(messages=msgs, tools=None if choice == "none" else tools, tool_choice=choice,
+                      think=think,
+                      **_common(body, limits, ("max_output_tokens", "max_tokens"), "stop", headers))
+    return Parsed(req, requested, include_reasoning=include_reasoning)
