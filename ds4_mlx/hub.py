@@ -136,14 +136,14 @@ def download(target: Target | str, dir: str | os.PathLike | None = None, token: 
     path = _already_here(t, local_dir)
     fetched = False
     if path is None:
-        import huggingface_hub
+        from huggingface_hub import constants as hf_constants
 
         if _offline():
             raise HubError(f"{t.filename} is not on disk and HF_HUB_OFFLINE is set: unset it to download, "
                            f"or download the file elsewhere and pass its path")
         size = _remote_size(t, token, endpoint)
         if size is not None:
-            _check_space(size, local_dir if local_dir is not None else Path(huggingface_hub.constants.HF_HUB_CACHE),
+            _check_space(size, local_dir if local_dir is not None else Path(hf_constants.HF_HUB_CACHE),
                          t)
         path = _fetch(t, local_dir, token, progress, endpoint)
         fetched = True
@@ -187,10 +187,10 @@ def _already_here(t: Target, local_dir: Path | None) -> Path | None:
 
 
 def _offline() -> bool:
-    import huggingface_hub
+    from huggingface_hub import constants as hf_constants
 
-    check = getattr(huggingface_hub, "is_offline_mode", None)
-    return bool(check() if check is not None else huggingface_hub.constants.HF_HUB_OFFLINE)
+    check = getattr(hf_constants, "is_offline_mode", None)
+    return bool(check() if check is not None else hf_constants.HF_HUB_OFFLINE)
 
 
 def _remote_size(t: Target, token: str | None, endpoint: str | None) -> int | None:
