@@ -195,7 +195,7 @@ def _run_cli(args, env_extra, tmp_path):
 
 
 @pytest.mark.parametrize("env_extra, expect", [
-    ({"HF_HUB_OFFLINE": "1"}, "HF_HUB_OFFLINE"),
+    ({"HF_HUB_OFFLINE": "1"}, "is not on disk and HF_HUB_OFFLINE is set"),
     ({"HF_ENDPOINT": "http://127.0.0.1:9"}, "cannot reach http://127.0.0.1:9"),
 ])
 def test_cli_offline_or_unreachable_is_one_line(tmp_path, env_extra, expect):
@@ -326,3 +326,18 @@ def test_dir_that_is_a_file_is_refused(tmp_path, capsys):
     f.write_text("x")
     rc, _, err = _cli(["download", "q2", "--dir", str(f)], capsys)
     assert rc == 2 and "not a directory" in _one_error_line(err)
+
+
+def test_offline_still_finds_files_already_downloaded(fake_hub, small_bytes, tmp_path, monkeypatch):
+    from huggingface_hub import constants as hf_constants
+
+    fake_hub.files[(REPO, "small.gguf")] = small_bytes
+    in_dir = hub.download(f"{REPO}/small.gguf", dir=tmp_path / "d", progress=False).path
+    in_cache = hub.resolve_model(f"hf:{REPO}/small.gguf", progress=False)
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    n = len(fake_hub.log)
+    assert hub.resolve_model(f"hf:{REPO}/small.gguf", dir=tmp_path / "d") == in_dir
+    assert hub.resolve_model(f"hf:{REPO}/small.gguf") == in_cache
+    assert len(fake_hub.log) == n
+    with pytest.raises(HubError, match="HF_HUB_OFFLINE is set"):
+        hub.resolve_model(f"hf:{REPO}/other.gguf")
