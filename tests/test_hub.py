@@ -269,6 +269,7 @@ def test_cli_download_prints_path_check_and_next_command(fake_hub, small_bytes, 
     fake_hub.files[(REPO, "small.gguf")] = small_bytes
     rc, out, err = _cli(["download", f"{REPO}/small.gguf", "--dir", str(tmp_path)], capsys)
     assert rc == 0, err
+    assert err == ""  # not a terminal: no progress bar, nothing on stderr
     path = tmp_path / "small.gguf"
     assert f"downloaded: {path}" in out
     assert "verified: DS4 Flash GGUF, layout OK" in out

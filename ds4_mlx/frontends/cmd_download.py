@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         return 130
     t = result.target
     out.write(f"{'downloaded' if result.fetched else 'already downloaded'}: {result.path} "
-              f"({result.size / 1e9:.1f} GB)\n")
+              f"({_size(result.size)})\n")
     out.write(f"verified: {result.check}\n")
     if t.kind == "mtp":
         out.write("MTP is an optional speculative-decoding component for the q2/q4 models; "
@@ -67,6 +67,13 @@ def format_table() -> str:
     lines.append("download: ds4-mlx download NAME [--dir D]   use: ds4-mlx generate -m PATH -p ...  "
                  "or ds4_mlx.load(\"hf:NAME\")")
     return "\n".join(line.rstrip() for line in lines) + "\n"
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
 
 
 def _quote(path: str) -> str:
