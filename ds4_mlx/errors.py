@@ -60,3 +60,8 @@ class NonFiniteError(InferenceError):
 class PayloadError(Ds4Error):
     """A session payload that cannot be loaded here: damaged, truncated, or made for another
     model, a larger context or another prefill chunk."""
+
+
+class HubError(Ds4Error):
+    """A model file cannot be fetched from the Hugging Face hub (offline, unreachable, no access, not
+    found, no disk space) or a fetched file is not the DS4 GGUF it should be."""

@@ -1,0 +1,344 @@
+"""ds4_mlx.hub and `ds4-mlx download` against a fake hub on 127.0.0.1 (no real network anywhere).
+
+The fake hub answers the two requests huggingface_hub's real client makes for a file: a HEAD on
+``/{repo}/resolve/{revision}/{file}`` (commit, ETag, size headers; the hub's X-Error-Code headers
+for failures) and a GET, honouring ``Range`` so the client's own resume is exercised.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from ds4_mlx import hub
+from ds4_mlx.errors import HubError
+from ds4_mlx.frontends import cli
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+REPO = "someone/ds4-test"
+
+
+class FakeHub:
+    """A minimal hub: files by (repo, filename); per-file failure modes; a log of requests."""
+
+    def __init__(self):
+        self.files: dict[tuple[str, str], bytes] = {}
+        self.errors: dict[str, tuple[int, dict[str, str]]] = {}  # filename -> (status, headers)
+        self.drop_first_get_at: int | None = None  # cut the first GET's body after this many bytes
+        self.after_drop_status: int | None = None  # status of every GET after the cut
+        self.log: list[tuple[str, str, str | None]] = []  # (method, filename, Range header)
+        self._server: ThreadingHTTPServer | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def start(self) -> "FakeHub":
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):  # keep test output clean
+                pass
+
+            def _lookup(self):
+                parts = self.path.split("?")[0].lstrip("/").split("/")
+                if len(parts) < 5 or parts[2] != "resolve":
+                    return None, None
+                return "/".join(parts[:2]), "/".join(parts[4:])
+
+            def _send(self, status, headers, body=b""):
+                self.send_response(status)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                self.end_headers()
+                if self.command == "GET" and body:
+                    self.wfile.write(body)
+
+            def _handle(self):
+                repo, name = self._lookup()
+                rng = self.headers.get("Range")
+                fake.log.append((self.command, name, rng))
+                if name in fake.errors:
+                    status, hdrs = fake.errors[name]
+                    self._send(status, {"Content-Length": "0", "X-Repo-Commit": COMMIT, **hdrs})
+                    return
+                data = fake.files.get((repo, name))
+                if data is None:
+                    self._send(404, {"Content-Length": "0", "X-Error-Code": "RepoNotFound"})
+                    return
+                base = {"X-Repo-Commit": COMMIT, "ETag": f'"{hashlib.sha256(data).hexdigest()}"',
+                        "Accept-Ranges": "bytes"}
+                if self.command == "HEAD":
+                    self._send(200, {**base, "Content-Length": str(len(data))})
+                    return
+                gets = sum(1 for m, n, _ in fake.log if m == "GET" and n == name)
+                if fake.after_drop_status is not None and gets > 1:
+                    self._send(fake.after_drop_status, {"Content-Length": "0"})
+                    return
+                start = int(rng.split("=")[1].split("-")[0]) if rng else 0
+                body = data[start:]
+                status = 206 if start else 200
+                headers = {**base, "Content-Length": str(len(body))}
+                if start:
+                    headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
+                if fake.drop_first_get_at is not None and gets == 1:
+                    # Promise the whole body, send part of it, hang up: a dropped transfer.
+                    self.send_response(status)
+                    for k, v in headers.items():
+                        self.send_header(k, v)
+                    self.end_headers()
+                    self.wfile.write(body[: fake.drop_first_get_at])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    return
+                self._send(status, headers, body)
+
+            do_HEAD = _handle
+            do_GET = _handle
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        return self
+
+    def stop(self):
+        self._server.shutdown()
+        self._server.server_close()
+
+    def gets(self, name: str) -> list[str | None]:
+        return [r for m, n, r in self.log if m == "GET" and n == name]
+
+
+@pytest.fixture()
+def fake_hub(monkeypatch, tmp_path):
+    """A running fake hub; HF_ENDPOINT points at it and the HF cache is a fresh temporary folder."""
+    from huggingface_hub import constants as hf_constants
+
+    h = FakeHub().start()
+    monkeypatch.setenv("HF_ENDPOINT", h.url)
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    yield h
+    h.stop()
+
+
+@pytest.fixture(scope="module")
+def small_bytes(small_model_path) -> bytes:
+    return Path(small_model_path).read_bytes()
+
+
+def _cli(argv, capsys) -> tuple[int, str, str]:
+    rc = cli.main(argv)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _one_error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    assert lines[0].startswith("ds4-mlx download: error: "), err
+    return lines[0]
+
+
+# -- the table and names ---------------------------------------------------------------------------
+
+
+def test_table_is_ds4s_five_files():
+    assert list(hub.TARGETS) == ["q2-imatrix", "q4-imatrix", "q2", "q4", "mtp"]
+    assert {t.repo for t in hub.TARGETS.values()} == {"antirez/deepseek-v4-gguf"}
+    assert all(t.filename.endswith(".gguf") for t in hub.TARGETS.values())
+    assert [t.name for t in hub.TARGETS.values() if t.recommended] == ["q2-imatrix", "q4-imatrix"]
+    assert hub.DEFAULT_TARGET in hub.TARGETS
+    assert hub.TARGETS["mtp"].kind == "mtp"
+    # A table file named in full keeps its kind (the MTP file must not be checked as a full model).
+    assert hub.parse_target(hub.TARGETS["mtp"].spec) is hub.TARGETS["mtp"]
+
+
+@pytest.mark.parametrize("spec", [
+    "", "hf:", "hf:q3", "hf:owner", "hf:owner/repo", "hf:owner/repo/", "hf:owner//x.gguf",
+    "hf:owner/repo/../x.gguf", "hf:owner/repo/./x.gguf", "hf:owner/repo/x.bin", "hf:owner/repo/a b.gguf",
+    "hf:owner/repo/x.gguf\x00", "hf:owner/repo/x.gguf\n", "hf:/etc/passwd.gguf", "hf:ow\\ner/repo/x.gguf",
+    "hf:owner/repo/-x.gguf", "model.gguf", "/abs/model.gguf", None, 7,
+])
+def test_resolve_model_rejects_bad_specs(spec):
+    with pytest.raises(HubError) as ei:
+        hub.resolve_model(spec)
+    assert "\n" not in str(ei.value)
+
+
+def test_list_prints_every_target_with_size_and_hardware(capsys):
+    rc, out, _ = _cli(["download", "--list"], capsys)
+    assert rc == 0
+    for t in hub.TARGETS.values():
+        line = next(line for line in out.splitlines() if line.startswith(t.name + " "))
+        assert f"{t.approx_gb:g} GB" in line and t.hardware in line
+
+
+# -- acceptance: offline and unreachable, through the real command -----------------------------------
+
+
+def _run_cli(args, env_extra, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(PYTHONPATH=str(REPO_ROOT), HF_HUB_CACHE=str(tmp_path / "hf-cache"), **env_extra)
+    return subprocess.run([sys.executable, "-m", "ds4_mlx.frontends.cli", *args], env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("env_extra, expect", [
+    ({"HF_HUB_OFFLINE": "1"}, "is not on disk and HF_HUB_OFFLINE is set"),
+    ({"HF_ENDPOINT": "http://127.0.0.1:9"}, "cannot reach http://127.0.0.1:9"),
+])
+def test_cli_offline_or_unreachable_is_one_line(tmp_path, env_extra, expect):
+    d = tmp_path / "models"
+    p = _run_cli(["download", "q2", "--dir", str(d)], env_extra, tmp_path)
+    assert p.returncode != 0
+    line = _one_error_line(p.stderr)
+    assert expect in line
+    assert p.stdout == ""
+    assert not (d / hub.TARGETS["q2"].filename).exists()
+
+
+# -- downloads from the fake hub -------------------------------------------------------------------
+
+
+def test_download_into_dir_verifies_and_is_not_fetched_twice(fake_hub, small_bytes, tmp_path):
+    fake_hub.files[(REPO, "small.gguf")] = small_bytes
+    d = tmp_path / "models"
+    r = hub.download(f"{REPO}/small.gguf", dir=d, progress=False)
+    assert r.path == d / "small.gguf" and r.fetched and r.size == len(small_bytes)
+    assert r.path.read_bytes() == small_bytes
+    assert "layout OK" in r.check
+    again = hub.download(f"{REPO}/small.gguf", dir=d, progress=False)
+    assert again.path == r.path and not again.fetched
+    assert len(fake_hub.gets("small.gguf")) == 1
+    # resolve_model: the same file, from disk, no request.
+    n = len(fake_hub.log)
+    assert hub.resolve_model(f"hf:{REPO}/small.gguf", dir=d) == r.path
+    assert len(fake_hub.log) == n
+
+
+def test_resolve_model_uses_the_hf_cache(fake_hub, small_bytes, tmp_path):
+    fake_hub.files[(REPO, "sub/small.gguf")] = small_bytes
+    p = hub.resolve_model(f"hf:{REPO}/sub/small.gguf", progress=False)
+    assert isinstance(p, Path) and p.read_bytes() == small_bytes
+    assert str(p).startswith(str(tmp_path / "hf-cache"))
+    n = len(fake_hub.log)
+    assert hub.resolve_model(f"hf:{REPO}/sub/small.gguf", progress=False) == p
+    assert len(fake_hub.log) == n  # found in the cache: the hub is not asked again
+
+
+def test_dropped_transfer_resumes_with_range(fake_hub, small_bytes, tmp_path, monkeypatch):
+    from huggingface_hub import constants as hf_constants
+
+    # The client keeps what it had written when a transfer drops, in whole read chunks (10 MB by
+    # default, more than the small model): smaller chunks let a 4 MB file show the resume.
+    monkeypatch.setattr(hf_constants, "DOWNLOAD_CHUNK_SIZE", 64 * 1024)
+    cut = len(small_bytes) // 3
+    fake_hub.files[(REPO, "small.gguf")] = small_bytes
+    fake_hub.drop_first_get_at = cut
+    r = hub.download(f"{REPO}/small.gguf", dir=tmp_path, progress=False)
+    assert r.path.read_bytes() == small_bytes
+    gets = fake_hub.gets("small.gguf")
+    assert gets[0] is None and len(gets) == 2
+    start = int(gets[1].removeprefix("bytes=").removesuffix("-"))  # the retry continued, not restarted
+    assert 0 < start <= cut
+
+
+def test_failed_transfer_leaves_no_file_under_the_final_name(fake_hub, small_bytes, tmp_path):
+    fake_hub.files[(REPO, "small.gguf")] = small_bytes
+    fake_hub.drop_first_get_at = len(small_bytes) // 3
+    fake_hub.after_drop_status = 500
+    with pytest.raises(HubError, match="HTTP 500") as ei:
+        hub.download(f"{REPO}/small.gguf", dir=tmp_path, progress=False)
+    assert "\n" not in str(ei.value)
+    assert not (tmp_path / "small.gguf").exists()
+    assert len(fake_hub.gets("small.gguf")) == 2
+
+
+def test_cli_download_prints_path_check_and_next_command(fake_hub, small_bytes, tmp_path, capsys):
+    fake_hub.files[(REPO, "small.gguf")] = small_bytes
+    rc, out, err = _cli(["download", f"{REPO}/small.gguf", "--dir", str(tmp_path)], capsys)
+    assert rc == 0, err
+    assert err == ""  # not a terminal: no progress bar, nothing on stderr
+    path = tmp_path / "small.gguf"
+    assert f"downloaded: {path}" in out
+    assert "verified: DS4 Flash GGUF, layout OK" in out
+    assert f"next: ds4-mlx generate -m {path} -p" in out
+    rc, out, _ = _cli(["download", f"{REPO}/small.gguf", "--dir", str(tmp_path)], capsys)
+    assert rc == 0 and f"already downloaded: {path}" in out
+
+
+def test_download_that_is_not_a_ds4_gguf_is_reported(fake_hub, tmp_path):
+    fake_hub.files[(REPO, "junk.gguf")] = b"GGUF" + b"\xff" * 100
+    with pytest.raises(HubError, match="not a usable DS4 GGUF"):
+        hub.download(f"{REPO}/junk.gguf", dir=tmp_path, progress=False)
+
+
+def test_mtp_target_is_checked_as_an_mtp_file(fake_hub, small_bytes, tmp_path, monkeypatch):
+    # A full model is not an MTP component: the MTP check must look for MTP tensors, not a layout.
+    mtp = hub.TARGETS["mtp"]
+    fake_hub.files[(mtp.repo, mtp.filename)] = small_bytes
+    with pytest.raises(HubError, match="not a DS4 MTP component"):
+        hub.download("mtp", dir=tmp_path, progress=False)
+
+
+# -- failures with their own lines -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("status, headers, expect", [
+    (401, {"X-Error-Message": "Invalid credentials in Authorization header"}, "HTTP 401): the token is missing"),
+    (401, {"X-Error-Code": "RepoNotFound"}, f"repository {REPO} not found"),
+    (403, {}, "HTTP 403): this token has no access"),
+    (403, {"X-Error-Code": "GatedRepo"}, "is gated"),
+    (404, {"X-Error-Code": "EntryNotFound"}, "not found on"),
+    (404, {}, "HTTP 404"),
+    (503, {}, "answered HTTP 503"),
+])
+def test_http_errors_get_their_own_line(fake_hub, tmp_path, capsys, status, headers, expect):
+    fake_hub.errors["small.gguf"] = (status, headers)
+    rc, out, err = _cli(["download", f"{REPO}/small.gguf", "--dir", str(tmp_path / "d")], capsys)
+    assert rc == 2 and out == ""
+    assert expect in _one_error_line(err)
+    assert not (tmp_path / "d" / "small.gguf").exists()
+
+
+def test_not_enough_disk_is_refused_before_downloading(fake_hub, small_bytes, tmp_path, monkeypatch, capsys):
+    fake_hub.files[(REPO, "small.gguf")] = small_bytes
+    real = hub.shutil.disk_usage
+    monkeypatch.setattr(hub.shutil, "disk_usage", lambda p: real(p)._replace(free=len(small_bytes) - 1))
+    rc, out, err = _cli(["download", f"{REPO}/small.gguf", "--dir", str(tmp_path / "new" / "dir")], capsys)
+    assert rc == 2
+    assert "not enough disk space" in _one_error_line(err)
+    assert fake_hub.gets("small.gguf") == []  # refused before any byte was fetched
+
+
+def test_dir_that_is_a_file_is_refused(tmp_path, capsys):
+    f = tmp_path / "file"
+    f.write_text("x")
+    rc, _, err = _cli(["download", "q2", "--dir", str(f)], capsys)
+    assert rc == 2 and "not a directory" in _one_error_line(err)
+
+
+def test_offline_still_finds_files_already_downloaded(fake_hub, small_bytes, tmp_path, monkeypatch):
+    from huggingface_hub import constants as hf_constants
+
+    fake_hub.files[(REPO, "small.gguf")] = small_bytes
+    in_dir = hub.download(f"{REPO}/small.gguf", dir=tmp_path / "d", progress=False).path
+    in_cache = hub.resolve_model(f"hf:{REPO}/small.gguf", progress=False)
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    n = len(fake_hub.log)
+    assert hub.resolve_model(f"hf:{REPO}/small.gguf", dir=tmp_path / "d") == in_dir
+    assert hub.resolve_model(f"hf:{REPO}/small.gguf") == in_cache
+    assert len(fake_hub.log) == n
+    with pytest.raises(HubError, match="HF_HUB_OFFLINE is set"):
+        hub.resolve_model(f"hf:{REPO}/other.gguf")
