@@ -107,6 +107,8 @@ def _read_prompt(args) -> str:
         try:
             if sys.stdin is None:
                 raise OSError("stdin is closed")
+            if sys.stdin.isatty():  # otherwise a silent wait looks like a hang
+                print("ds4-mlx: reading the prompt from stdin (end it with Ctrl-D)", file=sys.stderr)
             data = sys.stdin.buffer.read()
         except OSError as exc:
             raise CliUsageError(f"cannot read --prompt-file {name}: {exc.strerror or exc}") from None
