@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from ds4_mlx.errors import Ds4Error
+from ds4_mlx.frontends.args import SEED, TOKENS
 
 DEFAULT_PROMPT = "Write one sentence about the sea."
 
@@ -29,8 +30,9 @@ def register(sub) -> None:
     p.add_argument("--model", help="use this GGUF instead of the cached generated one")
     p.add_argument("--cache-dir", default=None, help="where the generated model is kept (default ~/.cache/ds4-mlx)")
     p.add_argument("-p", "--prompt", default=DEFAULT_PROMPT)
-    p.add_argument("-n", "--tokens", type=int, default=16)
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("-n", "--tokens", action=TOKENS, default=16, metavar="N",
+                   help="maximum tokens to generate (default 16)")
+    p.add_argument("--seed", action=SEED, default=1, metavar="N", help="sampling seed, 0..2^64-1 (default 1)")
     p.set_defaults(func=run)
 
 

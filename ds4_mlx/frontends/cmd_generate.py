@@ -1,8 +1,9 @@
 """`ds4-mlx generate`: one prompt in, streamed text out, with ds4's CLI defaults.
 
 Defaults follow ds4's CLI: system "You are a helpful assistant", thinking on, temperature 1,
-top-p 1, min-p 0.05, ctx 32768, up to 50000 tokens; `--temp 0` is greedy. `--dump-logprobs`
-writes the JSON ds4 writes for its flag of that name (a greedy continuation, no text printed).
+top-p 1, min-p 0.05, ctx 32768; `--temp 0` is greedy. Except `-n`: 256 tokens (mlx-lm's default,
+ds4's is 50000). `--dump-logprobs` writes the JSON ds4 writes for its flag of that name (a greedy
+continuation, no text printed).
 
 `--kv-disk-dir DIR` keeps prompt prefixes on disk (ds4-server's disk KV cache, same file format and
 policy; ``engine/disk_cache.py`` holds the rules): a run first looks for the longest stored prefix
@@ -23,6 +24,13 @@ import time
 from pathlib import Path
 
 from ds4_mlx.errors import Ds4Error
+from ds4_mlx.frontends.args import CTX, MAX_CTX, MAX_TOP_K, SEED, TOKENS, ranged, was_given
+
+# mlx-lm's default, and the library's generate(max_tokens=...): the CLI and the API agree. ds4's
+# 50000 suits long reasoning but makes a forgotten -n run for hours on a slow machine.
+DEFAULT_MAX_TOKENS = 256
+# ds4 stores at most 128 alternatives per step in its dump (it clamps; we refuse).
+MAX_LOGPROBS_TOP_K = 128
 
 
 class CliUsageError(Ds4Error):
@@ -35,7 +43,7 @@ def register(sub) -> None:
     p.add_argument("-m", "--model", required=True, help="DS4 Flash GGUF file")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("-p", "--prompt", help="prompt text")
-    src.add_argument("--prompt-file", help="read the prompt from this file")
+    src.add_argument("--prompt-file", metavar="FILE", help="read the prompt from FILE (UTF-8); - reads stdin")
     p.add_argument("--raw", action="store_true",
                    help="tokenize the prompt as given (special markers recognised, no chat template)")
     p.add_argument("-sys", "--system", default=None,
@@ -46,29 +54,44 @@ def register(sub) -> None:
                        help="Think Max when --ctx >= 393216, else normal thinking")
     think.add_argument("--nothink", dest="think", action="store_const", const="none",
                        help="answer directly (assistant turn starts with </think>)")
-    p.add_argument("--temp", type=float, default=1.0, help="temperature; 0 = greedy (default 1)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus probability (default 1)")
-    p.add_argument("--min-p", type=float, default=0.05, help="min probability relative to the best (default 0.05)")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the K best (0 = off, max 1024)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: time-based)")
-    p.add_argument("-n", "--tokens", type=int, default=50000, help="maximum tokens to generate (default 50000)")
-    p.add_argument("--ctx", type=int, default=32768, help="context size in tokens (default 32768)")
+    p.add_argument("--temp", action=ranged(float, 0, 100, why="a temperature (0 = greedy; ds4's limit is 100)"),
+                   default=1.0, metavar="T", help="temperature, 0..100; 0 = greedy (default 1)")
+    p.add_argument("--top-p", action=ranged(float, 0, 1, lo_open=True, why="it is a probability mass"),
+                   default=1.0, metavar="P", help="nucleus probability mass, (0, 1] (default 1 = off)")
+    p.add_argument("--min-p", action=ranged(float, 0, 1, why="it is a fraction of the best token's probability"),
+                   default=0.05, metavar="P", help="min probability relative to the best, [0, 1] (default 0.05)")
+    p.add_argument("--top-k", action=ranged(int, 0, MAX_TOP_K, why=f"ds4 samples among at most {MAX_TOP_K}"),
+                   default=0, metavar="K", help=f"sample among the K best (0 = off, max {MAX_TOP_K})")
+    p.add_argument("--seed", action=SEED, default=0, metavar="N",
+                   help="sampling seed, 0..2^64-1 (default 0: time-based)")
+    p.add_argument("-n", "--tokens", action=TOKENS, default=DEFAULT_MAX_TOKENS, metavar="N",
+                   help=f"maximum tokens to generate (default {DEFAULT_MAX_TOKENS}, as mlx-lm and "
+                        f"the Python API; ds4's is 50000: raise it for long reasoning, e.g. -n 32768)")
+    p.add_argument("--ctx", action=CTX, default=32768, metavar="N",
+                   help=f"context size in tokens, 2..{MAX_CTX} (default 32768)")
     p.add_argument("--numerics", choices=["default", "ds4-cpu"], default="default",
                    help="arithmetic: fast path, or ds4's CPU reference arithmetic")
-    p.add_argument("--dump-logprobs", metavar="FILE", help="write greedy top-logprobs JSON (ds4 format), no text")
-    p.add_argument("--logprobs-top-k", type=int, default=20, help="alternatives per step in --dump-logprobs")
-    p.add_argument("--prefill-chunk", type=int, default=2048,
+    p.add_argument("--dump-logprobs", metavar="FILE",
+                   help="write greedy top-logprobs JSON (ds4 format), no text; --temp is ignored")
+    p.add_argument("--logprobs-top-k", action=ranged(int, 1, MAX_LOGPROBS_TOP_K,
+                                                     why=f"ds4's dump stores at most {MAX_LOGPROBS_TOP_K}"),
+                   default=20, metavar="K", help=f"alternatives per step in --dump-logprobs, "
+                                                 f"1..{MAX_LOGPROBS_TOP_K} (default 20)")
+    p.add_argument("--prefill-chunk", action=ranged(int, 1, why="a number of tokens per prefill step"),
+                   default=2048, metavar="N",
                    help="prefill chunk; chunk ends fall on absolute multiples of it (default 2048)")
     kv = p.add_argument_group("disk KV cache")
     kv.add_argument("--kv-disk-dir", metavar="DIR", help="reuse and save prompt prefixes in this directory")
-    kv.add_argument("--kv-disk-space-mb", type=float, default=4096, metavar="MB",
+    kv.add_argument("--kv-disk-space-mb", action=ranged(float, 0, why="a size in MiB"), default=4096, metavar="MB",
                     help="size budget of the directory in MiB (default 4096)")
-    kv.add_argument("--kv-cache-min-tokens", type=int, default=512, metavar="N",
-                    help="shortest prefix worth saving or loading (default 512)")
-    kv.add_argument("--kv-cache-boundary-align-tokens", type=int, default=None, metavar="N",
+    kv.add_argument("--kv-cache-min-tokens", action=ranged(int, 1, why="a prefix length in tokens"),
+                    default=512, metavar="N", help="shortest prefix worth saving or loading (default 512)")
+    kv.add_argument("--kv-cache-boundary-align-tokens", action=ranged(int, 0, why="0 = off, else a multiple"),
+                    default=None, metavar="N",
                     help="align cold saves and continued frontiers to this multiple "
                          "(default: the prefill chunk; 0 = off)")
-    kv.add_argument("--kv-cache-continued-interval-tokens", type=int, default=10000, metavar="N",
+    kv.add_argument("--kv-cache-continued-interval-tokens", action=ranged(int, 0, why="0 = off, else an interval"),
+                    default=10000, metavar="N",
                     help="save the live session every N tokens, rounded up to the alignment "
                          "(default 10000, i.e. 10240; 0 = off)")
     kv.add_argument("--kv-cache-save-on-exit", action="store_true",
@@ -79,35 +102,60 @@ def register(sub) -> None:
 def _read_prompt(args) -> str:
     if args.prompt is not None:
         return args.prompt
+    if args.prompt_file == "-":
+        name = "- (stdin)"
+        try:
+            if sys.stdin is None:
+                raise OSError("stdin is closed")
+            if sys.stdin.isatty():  # otherwise a silent wait looks like a hang
+                print("ds4-mlx: reading the prompt from stdin (end it with Ctrl-D)", file=sys.stderr)
+            data = sys.stdin.buffer.read()
+        except OSError as exc:
+            raise CliUsageError(f"cannot read --prompt-file {name}: {exc.strerror or exc}") from None
+    else:
+        name = args.prompt_file
+        try:
+            data = Path(args.prompt_file).read_bytes()
+        except OSError as exc:
+            raise CliUsageError(f"cannot read --prompt-file {name}: {exc.strerror or exc}") from None
     try:
-        return Path(args.prompt_file).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise CliUsageError(f"cannot read --prompt-file {args.prompt_file}: {exc.strerror or exc}") from None
+        return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise CliUsageError(f"--prompt-file {args.prompt_file} is not UTF-8 (byte {exc.start})") from None
+        raise CliUsageError(f"--prompt-file {name} is not UTF-8 (byte {exc.start})") from None
+
+
+def _check_dump_path(path: str) -> None:
+    """Fail before the model loads, not after a long run, when the dump cannot be written:
+    open for append (an existing file is not truncated) and remove what this check created."""
+    if not path:
+        raise CliUsageError("--dump-logprobs needs a file name, got an empty string")
+    target = Path(path)
+    if target.is_dir():
+        raise CliUsageError(f"--dump-logprobs {path} is a directory, not a file")
+    parent = target.parent
+    if not parent.is_dir():
+        what = "is not a directory" if parent.exists() else "does not exist"
+        raise CliUsageError(f"--dump-logprobs {path}: {parent} {what}")
+    existed = target.exists()
+    try:
+        with open(target, "ab"):
+            pass
+    except OSError as exc:
+        raise CliUsageError(f"cannot write --dump-logprobs {path}: {exc.strerror or exc}") from None
+    if not existed:
+        try:
+            target.unlink()
+        except OSError:
+            pass  # created but not removable: the dump overwrites it later anyway
 
 
 def _validate(args) -> None:
-    if args.ctx < 2:
-        raise CliUsageError(f"--ctx must be at least 2, got {args.ctx}")
-    if args.tokens < 0:
-        raise CliUsageError(f"-n must be >= 0, got {args.tokens}")
-    if args.top_k < 0:
-        raise CliUsageError(f"--top-k must be >= 0, got {args.top_k}")
-    if args.logprobs_top_k < 1:
-        raise CliUsageError(f"--logprobs-top-k must be >= 1, got {args.logprobs_top_k}")
-    if args.prefill_chunk < 1:
-        raise CliUsageError(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
-    if args.kv_cache_min_tokens < 1:
-        raise CliUsageError(f"--kv-cache-min-tokens must be >= 1, got {args.kv_cache_min_tokens}")
-    if args.kv_cache_boundary_align_tokens is not None and args.kv_cache_boundary_align_tokens < 0:
-        raise CliUsageError(f"--kv-cache-boundary-align-tokens must be >= 0, "
-                            f"got {args.kv_cache_boundary_align_tokens}")
-    if args.kv_cache_continued_interval_tokens < 0:
-        raise CliUsageError(f"--kv-cache-continued-interval-tokens must be >= 0, "
-                            f"got {args.kv_cache_continued_interval_tokens}")
-    if args.kv_disk_space_mb < 0:
-        raise CliUsageError(f"--kv-disk-space-mb must be >= 0, got {args.kv_disk_space_mb}")
+    """Checks that need more than one option or the file system; value ranges are checked while
+    parsing (``frontends/args.py``)."""
+    if args.dump_logprobs is not None:
+        _check_dump_path(args.dump_logprobs)
+        if args.temp != 0 and was_given(args, "temp"):
+            print(f"ds4-mlx: --dump-logprobs decodes greedily: --temp {args.temp:g} is ignored", file=sys.stderr)
 
 
 def run(args) -> int:

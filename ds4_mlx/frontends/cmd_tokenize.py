@@ -22,6 +22,7 @@ import sys
 from ds4_mlx.chat.template import DEFAULT_CTX, DEFAULT_SYSTEM, encode_chat_prompt
 from ds4_mlx.errors import TokenizerError
 from ds4_mlx.formats.gguf import GGUFFile
+from ds4_mlx.frontends.args import CTX
 from ds4_mlx.tokenizer import Tokenizer
 
 
@@ -45,7 +46,7 @@ def register(subparsers) -> None:
                        help="--chat: no thinking (assistant turn starts with </think>)")
     think.add_argument("--think-max", dest="think", action="store_const", const="max",
                        help="--chat: Think Max when --ctx >= 393216, else normal thinking")
-    p.add_argument("--ctx", type=int, default=DEFAULT_CTX,
+    p.add_argument("--ctx", action=CTX, default=DEFAULT_CTX, metavar="N",
                    help=f"--chat: context size deciding Think Max (default {DEFAULT_CTX})")
     p.add_argument("--json", action="store_true", help='print {"ids": [...], "pieces": [...]}')
     p.set_defaults(func=run, think="high")

@@ -1,0 +1,98 @@
+"""Strict argparse pieces shared by every ``ds4-mlx`` command.
+
+``ranged(...)`` makes an argparse *action* that parses an int or a float and checks its range while
+the command line is read, so a bad value stops the command before anything is loaded, as one line
+naming the option the user typed, the allowed range, the value, and why the range is what it is::
+
+    ds4-mlx generate: error: --top-p must be in (0, 1], got 5: it is a probability mass
+
+An action (not a ``type=`` callable) because only an action knows which spelling of the option was
+used (``-n`` or ``--tokens``); argparse prints the error with the command's own usage and exits 2.
+
+NaN passes every comparison, so floats are also required to be finite: ``--temp nan`` would
+otherwise slip through any ``< 0`` check and sample from garbage.
+
+``was_given(args, dest)`` tells a default from an explicit value (for warnings such as "--temp is
+ignored by --dump-logprobs", which must not fire on the default temperature).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+# DS4 Flash's context length (the GGUF's deepseek4.context_length; its YaRN rope scaling is
+# defined up to there).
+MAX_CTX = 1 << 20
+# ds4 clamps top_k to 1024 in its sampler (as engine/sampling.py's TOP_K_CAP); the CLI refuses a
+# larger value instead of clamping it silently.
+MAX_TOP_K = 1024
+MAX_SEED = (1 << 64) - 1
+
+_GIVEN = "_ds4_given"
+
+
+def _fmt(v: float | int) -> str:
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def _range_text(lo, hi, lo_open: bool, hi_open: bool) -> str:
+    if hi is None:
+        return f"{'>' if lo_open else '>='} {_fmt(lo)}"
+    if lo is None:
+        return f"{'<' if hi_open else '<='} {_fmt(hi)}"
+    return f"in {'(' if lo_open else '['}{_fmt(lo)}, {_fmt(hi)}{')' if hi_open else ']'}"
+
+
+def check_number(text: str, name: str, kind: type, lo=None, hi=None, *, lo_open: bool = False,
+                 hi_open: bool = False, why: str = ""):
+    """Parse ``text`` as ``kind`` (int or float) and check it against the range; raise
+    ``ValueError`` with the one-line message otherwise."""
+    reason = f": {why}" if why else ""
+    try:
+        value = kind(text)
+    except (TypeError, ValueError):
+        noun = "an integer" if kind is int else "a number"
+        raise ValueError(f"{name} must be {noun}, got {text!r}") from None
+    if kind is float and not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {text!r}")
+    low = lo is not None and (value <= lo if lo_open else value < lo)
+    high = hi is not None and (value >= hi if hi_open else value > hi)
+    if low or high:
+        raise ValueError(f"{name} must be {_range_text(lo, hi, lo_open, hi_open)}, got {text}{reason}")
+    return value
+
+
+def ranged(kind: type, lo=None, hi=None, *, lo_open: bool = False, hi_open: bool = False,
+           why: str = "") -> type[argparse.Action]:
+    """An argparse action storing a ``kind`` value within ``lo``..``hi`` (inclusive unless open)."""
+    if kind not in (int, float):
+        raise TypeError(f"ranged() takes int or float, not {kind!r}")
+
+    class _Ranged(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            name = option_string or self.dest
+            try:
+                value = check_number(values, name, kind, lo, hi, lo_open=lo_open, hi_open=hi_open, why=why)
+            except ValueError as exc:
+                # ArgumentError(None, ...) keeps argparse from prefixing "argument -n/--tokens: ",
+                # the message already names the option as typed.
+                raise argparse.ArgumentError(None, str(exc)) from None
+            setattr(namespace, self.dest, value)
+            given = set(getattr(namespace, _GIVEN, ()))
+            given.add(self.dest)
+            setattr(namespace, _GIVEN, given)
+
+    _Ranged.__name__ = f"ranged_{kind.__name__}"
+    return _Ranged
+
+
+def was_given(args: argparse.Namespace, dest: str) -> bool:
+    """Whether option ``dest`` (a ``ranged`` one) was on the command line, not just defaulted."""
+    return dest in getattr(args, _GIVEN, ())
+
+
+# The options several commands share, with one wording everywhere.
+CTX = ranged(int, 2, MAX_CTX, why=f"DS4 Flash's context length is {MAX_CTX}")
+SEED = ranged(int, 0, MAX_SEED, why="a 64-bit unsigned seed (0 = time-based)")
+TOKENS = ranged(int, 0, why="a count of tokens")
