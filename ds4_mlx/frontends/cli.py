@@ -13,7 +13,7 @@ import sys
 from ds4_mlx.errors import Ds4Error
 
 # Order is the order of `ds4-mlx --help`.
-COMMANDS = ["generate", "inspect", "tokenize", "kv", "demo"]
+COMMANDS = ["generate", "inspect", "tokenize", "kv", "bench", "demo"]
 
 
 def build_parser() -> argparse.ArgumentParser:
