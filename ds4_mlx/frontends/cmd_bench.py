@@ -131,9 +131,10 @@ def run(args) -> int:
     _validate(args, n)
     if args.plot is not None:
         _require_matplotlib()
-        parent = Path(args.plot).parent
-        if not parent.is_dir():
-            raise CliUsageError(f"cannot write --plot {args.plot}: {parent} is not a directory")
+    # Output folders are checked before the model loads, not found missing after the sweep.
+    for flag, path in (("--csv", args.csv), ("--plot", args.plot)):
+        if path is not None and not Path(path).parent.is_dir():
+            raise CliUsageError(f"cannot write {flag} {path}: {Path(path).parent} is not a directory")
     text = _read_text(args.prompt_file)
     # Checked before the model loads: a path that is not a file would otherwise fail deep in the opener.
     if not Path(args.model).is_file():
@@ -151,10 +152,9 @@ def run(args) -> int:
 
     backend = bench.backend_name()
     fronts = bench.frontiers(n["ctx_start"], n["ctx_step"], n["ctx_max"])
+    csv_file = _open_csv(args.csv) if args.csv is not None else None
     print(f"ds4-mlx bench: {Path(args.model).name}, {backend}, numerics {args.numerics}; {len(tokens)} text tokens, "
           f"{len(fronts)} frontiers {fronts[0]}..{fronts[-1]}, {n['gen']} generated tokens each", file=sys.stderr)
-
-    csv_file = _open_csv(args.csv) if args.csv is not None else None
     writer = csv.writer(csv_file, lineterminator="\n") if csv_file is not None else None
     if writer is not None:
         writer.writerow(bench.CSV_COLUMNS)
