@@ -982,6 +982,15 @@ def evict_to_budget(directory: str | os.PathLike, budget: int, now: float | None
     return removed
 
 
+def check_cache_dir(directory: str | os.PathLike) -> None:
+    """Raise ``KVCacheDirError`` when ``directory`` exists and is not a directory (it is created
+    later when missing)."""
+    path = Path(directory)
+    if path.exists() and not path.is_dir():
+        raise KVCacheDirError(f"{path}: exists and is not a directory; the KV cache needs a "
+                              f"directory of its own")
+
+
 @contextmanager
 def directory_lock(directory: str | os.PathLike) -> Iterator[bool]:
     """Hold an exclusive advisory lock on the cache directory (``flock`` on ``LOCK_NAME`` in it).
@@ -1067,9 +1076,7 @@ class KVStore:
         self._lock = threading.RLock()
         self._failed: dict[str, tuple[int, int]] = {}  # name -> (size, mtime_ns) of a failed load
         self._logged: set[tuple] = set()
-        if self.directory.exists() and not self.directory.is_dir():
-            raise KVCacheDirError(f"{self.directory}: exists and is not a directory; the KV cache "
-                                  f"needs a directory of its own")
+        check_cache_dir(self.directory)
         try:
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:
