@@ -115,7 +115,7 @@ def test_inspect_damaged_file(cache, capsys):
 
 def test_inspect_missing_file_is_an_error(tmp_path, capsys):
     assert main(["kv", "inspect", str(tmp_path / "nope.kv")]) == 2
-    assert "cannot read" in capsys.readouterr().err
+    assert "does not exist" in capsys.readouterr().err
     assert main(["kv", "ls", str(tmp_path / "nodir")]) == 2
 
 
