@@ -4,7 +4,6 @@ directory. No model needed; runs that could hang run in a subprocess under a tim
 
 from __future__ import annotations
 
-import math
 import multiprocessing
 import os
 import subprocess
@@ -218,7 +217,7 @@ def test_concurrent_writers_keep_the_budget(tmp_path):
     assert all(p.exitcode == 0 for p in procs)
     assert _dir_bytes(tmp_path) <= budget
     assert peak[0] <= budget, f"peak {peak[0]} bytes > budget {budget}"
-    assert not math.isnan(peak[0]) and len(list(tmp_path.glob("*.kv"))) >= 1
+    assert len(list(tmp_path.glob("*.kv"))) >= 1
 
 
 def test_lock_is_exclusive_across_processes(tmp_path):
