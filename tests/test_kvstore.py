@@ -55,6 +55,11 @@ def dir_bytes(d) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
 
 
+def kv_files(d) -> list[str]:
+    """The directory's names but the writers' lock file."""
+    return sorted(n for n in os.listdir(d) if n != kvstore.LOCK_NAME)
+
+
 # -- format ----------------------------------------------------------------------------------
 
 
@@ -257,7 +262,7 @@ def test_lookup_skips_incompatible_entries_with_logged_reason(tmp_path, caplog):
     assert make_store(tmp_path, quant_bits=4).lookup(rendered_text=text).tokens == 1200
     assert make_store(tmp_path, accept_other_quant=True).lookup(rendered_text=text).tokens == 1200
     with pytest.raises(kvstore.KVFileRejected, match="other model"):
-        store.load(read_entry(next(p for p in tmp_path.iterdir() if p.name != ok.name and
+        store.load(read_entry(next(p for p in tmp_path.glob("*.kv") if p.name != ok.name and
                                    read_entry(p).model_id == OTHER_MODEL)))
 
 
@@ -338,7 +343,7 @@ def test_store_replaces_a_same_text_file_whose_payload_was_refused(tmp_path):
 def test_store_skips_short_prefixes_and_oversized_files(tmp_path):
     store = make_store(tmp_path)
     assert store.store(toks(511), "t", payload(10), "cold") is None
-    assert os.listdir(tmp_path) == []
+    assert kv_files(tmp_path) == []
     # file = 52 + text + payload + tokens*4 + 68; needed = file + ceil(file / 100)
     n, text = 600, b"t" * 28
     fixed = 52 + len(text) + 4 * n + 68
@@ -367,13 +372,25 @@ def test_store_same_text_keeps_existing_file(tmp_path):
     assert loaded.tool_map == {"i": "d"} and bytes(loaded.payload) == payload(100, 2)
 
 
-def test_store_replaces_same_name_incompatible_or_damaged_file(tmp_path, caplog):
+def test_store_never_overwrites_another_models_checkpoint(tmp_path):
+    # Two models share the directory; the file name is the text's hash alone (ds4's scheme).
     other = make_store(tmp_path, model_id=OTHER_MODEL)
     theirs = other.store(toks(600), "shared text", payload(100, 1), "cold")
     store = make_store(tmp_path)
+    with pytest.raises(kvstore.KVSaveSkipped, match="another model's checkpoint"):
+        store.store(toks(600), "shared text", payload(100, 2), "cold")
+    assert store.lookup(rendered_text="shared text") is None  # not ours to load either
+    assert bytes(other.load(other.lookup(rendered_text="shared text")).payload) == payload(100, 1)
+    assert read_entry(theirs.path).model_id == OTHER_MODEL
+
+
+def test_store_replaces_same_name_incompatible_or_damaged_file(tmp_path, caplog):
+    older = make_store(tmp_path, payload_version=0)
+    theirs = older.store(toks(600), "shared text", payload(100, 1), "cold")
+    store = make_store(tmp_path)
     with caplog.at_level(logging.INFO, logger="ds4_mlx.kvstore"):
         mine = store.store(toks(600), "shared text", payload(100, 2), "cold")
-    assert mine.name == theirs.name and mine.model_id == MODEL and "other model" in caplog.text
+    assert mine.name == theirs.name and mine.payload_version == 1 and "payload version" in caplog.text
     raw = bytearray(mine.path.read_bytes())
     raw[200] ^= 1
     mine.path.write_bytes(raw)
@@ -407,7 +424,7 @@ def test_store_leaves_no_temp_file_on_write_error(tmp_path, monkeypatch):
     with pytest.raises(KVStoreError, match="No space left"):
         store.store(toks(600, 2), "new", payload(100), "cold")
     monkeypatch.undo()
-    assert sorted(os.listdir(tmp_path)) == [keep.name]
+    assert kv_files(tmp_path) == [keep.name]
     assert bytes(store.load(keep).payload) == payload(100)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import shutil
 import struct
 import zlib
 from types import SimpleNamespace
@@ -278,20 +279,84 @@ def test_encode_refuses_inconsistent_state(cfg):
         make(cfg, 3, tokens=[1, 2, cfg.n_vocab])
 
 
-def test_model_fingerprint_covers_header_only(tmp_path):
-    blob = bytes(range(256)) * 40
+def test_model_fingerprint_covers_header_and_a_sample_of_every_tensor(tmp_path):
+    blob = bytes(range(256)) * 400  # 102400 bytes
     path = tmp_path / "m.gguf"
     path.write_bytes(blob)
-    f = SimpleNamespace(path=str(path), info_end=5000)
+    small = SimpleNamespace(offset=5000, nbytes=1000)  # hashed whole
+    big = SimpleNamespace(offset=6000, nbytes=96000)  # sampled: 16 blocks of 4 KiB
+    f = SimpleNamespace(path=str(path), info_end=5000, tensors={"b": big, "a": small})
+    spans = P.fingerprint_spans(6000, 96000)
+    assert len(spans) == 16 and spans[0] == (6000, 4096) and spans[-1] == (102000 - 4096, 4096)
+    want = hashlib.sha256(blob[:5000] + blob[5000:6000]
+                          + b"".join(blob[o:o + n] for o, n in spans)).digest()
     fid = P.model_fingerprint(f)
-    assert fid == hashlib.sha256(blob[:5000]).digest() and len(fid) == 32
-    changed = bytearray(blob)
-    changed[6000] ^= 1  # tensor data: not part of the identity
-    path.write_bytes(bytes(changed))
-    assert P.model_fingerprint(f) == fid
-    changed[4999] ^= 1  # tensor table / metadata: part of it
-    path.write_bytes(bytes(changed))
-    assert P.model_fingerprint(f) != fid
+    assert fid == want and len(fid) == 32
+
+    def flipped(at: int) -> bytes:
+        changed = bytearray(blob)
+        changed[at] ^= 1
+        path.write_bytes(bytes(changed))
+        try:
+            return P.model_fingerprint(f)
+        finally:
+            path.write_bytes(blob)
+
+    assert flipped(4999) != fid  # tensor table / metadata
+    assert flipped(5500) != fid  # a small tensor, anywhere in it
+    for o, n in (spans[0], spans[7], spans[-1]):  # any sampled block of a large tensor
+        assert flipped(o) != fid and flipped(o + n - 1) != fid
+    assert flipped(spans[1][0] - 1) == fid  # between samples: documented blind spot
     path.write_bytes(blob[:100])
-    with pytest.raises(PayloadError, match="shorter than its GGUF header"):
+    with pytest.raises(PayloadError, match="before the GGUF header"):
         P.model_fingerprint(f)
+    path.write_bytes(blob[:50000])
+    with pytest.raises(PayloadError, match="before the tensor data"):
+        P.model_fingerprint(f)
+
+
+def test_model_fingerprint_tells_apart_models_that_differ_only_in_weights(tmp_path, tiny_model_path):
+    from ds4_mlx.formats.gguf import GGUFFile
+
+    copy = tmp_path / "retrained.gguf"
+    shutil.copyfile(tiny_model_path, copy)
+    with GGUFFile(tiny_model_path) as g:
+        original = P.model_fingerprint(g)
+        t = max(g.tensors.values(), key=lambda t: t.nbytes)
+        header = open(tiny_model_path, "rb").read(g.info_end)
+    with open(copy, "r+b") as fh:  # "retrain" the largest tensor: rewrite one of its blocks
+        fh.seek(t.offset)
+        block = bytes(b ^ 0x5A for b in fh.read(4096))
+        fh.seek(t.offset)
+        fh.write(block)
+    with GGUFFile(copy) as g:
+        assert open(copy, "rb").read(g.info_end) == header  # same header, same layout
+        assert P.model_fingerprint(g) != original
+
+
+def test_non_finite_state_is_never_encoded(cfg):
+    arrays = synthetic_arrays(cfg, 140)
+    arrays["layer.2.attn.rows"][3, 5] = np.nan
+    with pytest.raises(P.NonFiniteStateError, match=r"state array layer.2.attn.rows holds a non-finite"):
+        make(cfg, 140, arrays=arrays)
+    arrays = synthetic_arrays(cfg, 140)
+    arrays["layer.0.raw"][0, 0] = np.inf
+    with pytest.raises(P.NonFiniteStateError, match=r"layer.0.raw"):
+        make(cfg, 140, arrays=arrays)
+
+
+def test_non_finite_payload_is_refused_on_load(cfg, good):
+    # A payload written by a writer that did not check (crc recomputed, so only the values are bad).
+    rec = walk(cfg, good)[2][0]  # layer 0's raw rows
+    assert (rec["layer"], rec["lane"], rec["field"]) == (0, 0, 0)
+    nan = np.array([np.nan], dtype=np.float16 if rec["dtype"] == 2 else np.float32).tobytes()
+    bad = bytearray(good)
+    bad[rec["off"] + 20:rec["off"] + 20 + len(nan)] = nan
+    with pytest.raises(P.NonFiniteStateError, match=r"state array layer.0.raw holds a non-finite value"):
+        load(cfg, with_crc(bytes(bad)))
+
+
+def test_buffer_shorter_than_its_declared_size_is_truncated_not_trailing(cfg, good):
+    for cut in (1, 2, 10, 4000):
+        with pytest.raises(PayloadError, match=rf"truncated: {len(good) - cut} of {len(good)} bytes"):
+            load(cfg, good[:-cut], size=len(good))

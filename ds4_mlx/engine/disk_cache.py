@@ -12,11 +12,22 @@ call only ``DiskCache``.
    for the longest stored token sequence that is a prefix of the prompt (exact; ds4-mlx's own
    key), and, as ds4 does, for the longest stored text that is a byte prefix of the rendered
    prompt. The hit holding more tokens is loaded; on a tie the token match (they are usually the
-   same file). A text hit continues with the checkpoint's *own* tokens followed by the
-   tokenization of the rest of the text (the effective prompt), because the stored state is the
-   state of those tokens, whatever our tokenizer would make of the same bytes. A file the store
-   rejects (damage, truncation) or whose payload the session refuses (``mark_unloadable``) is
-   skipped and the next best one tried; the session is left as it was before the attempt.
+   same file). A text hit continues with the checkpoint's *own* tokens followed by the prompt's
+   own tokens after the matched bytes (the effective prompt), because the stored state is the
+   state of those tokens, whatever our tokenizer would make of the same bytes.
+
+   Reuse never changes how user text tokenizes. Bytes alone cannot tell ``<｜Assistant｜>`` the
+   control token from the same characters typed by a user, so a text hit is taken only when (a)
+   the matched bytes end exactly on a boundary between two prompt tokens (the rest of the prompt
+   keeps its tokens; it is never re-tokenized, which would turn typed markers into control
+   tokens), (b) the checkpoint's tokens spell exactly its text, and (c) its control tokens (ds4's
+   specials and every added token) sit at the same byte offsets, with the same ids, as the
+   prompt's in the matched part. Otherwise the hit is refused (``refused`` says why) and the
+   token match, or a miss, is used: the effective prompt then *is* the prompt.
+
+   A file the store rejects (damage, truncation) or whose payload the session refuses
+   (``mark_unloadable``) is skipped and the next best one tried; the session is left as it was
+   before the attempt.
 3. On a miss, a fresh prompt gets ds4's *cold* save: sync to ``cold_store_len``, store, then sync
    the rest.
 
@@ -32,7 +43,17 @@ fails), so, exactly as in ds4, the frontiers below such a cut are not written du
 the cold checkpoint covers them.
 
 Saves never raise: a failed or skipped write is reported in the returned ``SaveResult`` and the
-run goes on, as in ds4.
+run goes on, as in ds4. Each attempt gives exactly one ``SaveResult``, which is *the* report: the
+library logs it once more only at INFO (``ds4_mlx.disk_cache``, off unless a frontend turns
+logging on) and the store below raises rather than logs, so a frontend that prints each result on
+its own stderr line shows one line per failed save. A state holding NaN or infinity is never
+written (status "skipped", naming the array).
+
+Exit status policy for frontends (the CLI follows it): when generation succeeded and only the
+cache failed (unwritable directory, full disk, a skipped save), the run still exits 0, with one
+stderr warning line per failed or skipped save, as ds4 goes on without its cache. A cache
+directory that cannot be used at all is an error at open: ``DiskCache(...)`` raises
+``KVCacheDirError`` (a ``KVStoreError``) when the path is a regular file or cannot be created.
 
 Exit save. ``close(session)`` stores the whole live session ("shutdown"), as ds4-server does when
 it stops. The CLI calls it only on request (``--kv-cache-save-on-exit``): ds4's CLI keeps no disk
@@ -49,6 +70,7 @@ save frontier is kept in a weak map, so sessions may come and go.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import time
@@ -57,7 +79,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ds4_mlx.engine.kvstore import KVFileRejected, KVStore, LoadedEntry, SaveReason
+import numpy as np
+
+from ds4_mlx.engine.kvstore import (
+    Entry,
+    KVFileRejected,
+    KVSaveSkipped,
+    KVStore,
+    LoadedEntry,
+    SaveReason,
+    check_cache_dir,
+    read_trailer_tokens,
+)
 from ds4_mlx.engine.kvstore_policy import (
     DEFAULT_BUDGET_MB,
     DEFAULT_OPTIONS,
@@ -67,7 +100,7 @@ from ds4_mlx.engine.kvstore_policy import (
     continued_step,
 )
 from ds4_mlx.engine.payload import VERSION as PAYLOAD_VERSION
-from ds4_mlx.engine.payload import PayloadError
+from ds4_mlx.engine.payload import NonFiniteStateError, PayloadError
 from ds4_mlx.engine.session import Session
 from ds4_mlx.errors import KVStoreError
 
@@ -96,7 +129,7 @@ class SyncReport:
     """What ``DiskCache.sync`` did.
 
     ``effective_prompt``: the tokens the session now holds (the prompt, or after a text hit the
-    checkpoint's tokens plus the tokenized rest of the text). ``cached_tokens``: tokens whose
+    checkpoint's tokens plus the prompt's tokens after the matched text). ``cached_tokens``: tokens whose
     state was taken rather than computed. ``source``: "live", "disk-tokens", "disk-text" or
     "none". ``hit_path``: the loaded file. ``saved``: the writes made on the way, in order.
     ``refused``: "path: reason" for each checkpoint that was found but could not be used.
@@ -122,6 +155,7 @@ class DiskCache:
     def __init__(self, engine, directory: str | os.PathLike, budget_mb: float = DEFAULT_BUDGET_MB,
                  ctx: int = 32768, options: KVStoreOptions = DEFAULT_OPTIONS, *,
                  clock: Callable[[], float] = time.time):
+        check_cache_dir(directory)  # before the model id is computed: fail fast on a bad path
         self.engine = engine
         self.ctx = ctx
         self.options = options
@@ -130,6 +164,8 @@ class DiskCache:
         self._tokenizer = engine.tokenizer
         self._user_id = engine.user_id
         self._assistant_id = engine.assistant_id
+        tok = self._tokenizer
+        self._control_ids = frozenset(tok.special_ids.values()) | {a.id for a in tok.added_tokens}
         self._step = continued_step(options)
         self._last_saved: weakref.WeakKeyDictionary[Session, int] = weakref.WeakKeyDictionary()
 
@@ -198,27 +234,26 @@ class DiskCache:
     def _load_best(self, session: Session, prompt: list[int], text: bytes,
                    refused: list[str]) -> tuple[LoadedEntry, list[int], str] | None:
         """Load the checkpoint that covers most of the prompt: the longest token prefix, or the
-        longest text prefix when that one holds more tokens (ties go to the exact token match).
-        Returns (hit, effective prompt, source) or None."""
+        longest text prefix when that one holds more tokens and is safe (see the module docstring;
+        ties go to the exact token match). Returns (hit, effective prompt, source) or None."""
         unusable: set[str] = set()  # text hits that cannot continue this prompt (not the file's fault)
+        layout = None
         while True:
             by_tokens = self.store.lookup(tokens=prompt)
             by_text = self.store.lookup(rendered_text=text)
-            rest = None
-            if by_text is not None and by_text.name not in unusable:
-                # The text after the cut is tokenized as a string: a cut inside a UTF-8 character
-                # leaves a remainder that is not one (the file stays good for an exact token match).
-                try:
-                    rest = text[by_text.text_bytes:].decode("utf-8")
-                except UnicodeDecodeError:
-                    refused.append(f"{by_text.path}: cached text ends inside a UTF-8 character")
+            if (by_text is not None and by_text.name not in unusable
+                    and (by_tokens is None or by_text.tokens > by_tokens.tokens)):
+                layout = layout or self._layout(prompt)
+                cut, why = self._text_cut(by_text, text, layout)
+                if why is not None:
+                    refused.append(f"{by_text.path}: {why}")
                     unusable.add(by_text.name)
-            if rest is not None and (by_tokens is None or by_text.tokens > by_tokens.tokens):
+                    continue
                 before = session.snapshot()
                 hit = self._load(session, by_text, refused)
                 if hit is None:
                     continue
-                effective = session.tokens + (self._tokenizer.encode_rendered(rest) if rest else [])
+                effective = session.tokens + prompt[cut:]
                 if len(effective) < session.ctx:
                     return hit, effective, "disk-text"
                 refused.append(f"{by_text.path}: the prompt continued from it has {len(effective)} "
@@ -231,6 +266,42 @@ class DiskCache:
             hit = self._load(session, by_tokens, refused)
             if hit is not None:
                 return hit, prompt, "disk-tokens"
+
+    def _layout(self, tokens: Sequence[int]) -> tuple[bytes, list[int], list[tuple[int, int]]]:
+        """(bytes of the tokens, byte end of each token, (byte offset, id) of each control token)."""
+        ends: list[int] = []
+        controls: list[tuple[int, int]] = []
+        parts: list[bytes] = []
+        pos = 0
+        for t in tokens:
+            if t in self._control_ids:
+                controls.append((pos, t))
+            piece = self._tokenizer.token_text(t)
+            parts.append(piece)
+            pos += len(piece)
+            ends.append(pos)
+        return b"".join(parts), ends, controls
+
+    def _text_cut(self, entry: Entry, text: bytes, layout) -> tuple[int, str | None]:
+        """(prompt tokens covered by ``entry``'s text, None) when the text hit cannot change how
+        any byte of the prompt tokenizes, else (0, why not)."""
+        spelled, ends, controls = layout
+        n = entry.text_bytes
+        if spelled[:n] != text[:n]:
+            return 0, "the rendered prompt is not its tokens' bytes there: a text match cannot be mapped to tokens"
+        cut = bisect.bisect_left(ends, n)
+        if n == 0 or cut >= len(ends) or ends[cut] != n:
+            return 0, "its text ends inside a prompt token: continuing would re-tokenize the prompt"
+        data = read_trailer_tokens(entry)
+        if data is None:
+            return 0, "its stored tokens cannot be read"
+        own = self._layout(np.frombuffer(data, dtype="<u4").tolist())
+        if own[0] != text[:n]:
+            return 0, "its tokens do not spell its key text (a visible-transcript key)"
+        if own[2] != [c for c in controls if c[0] < n]:
+            return 0, ("its control tokens differ from the prompt's in the matched text (typed "
+                       "marker characters are not markers)")
+        return cut + 1, None
 
     def _load(self, session: Session, entry, refused: list[str]) -> LoadedEntry | None:
         """Load ``entry`` into the session; on any refusal put the session back and return None."""
@@ -337,8 +408,12 @@ class DiskCache:
         key = text if text is not None else self._tokenizer.decode_bytes(tokens)
         try:
             entry = self.store.store(tokens, key, session.payload_chunks(), reason, key_kind=key_kind)
+        except (KVSaveSkipped, NonFiniteStateError) as exc:
+            logger.info("kv cache store skipped tokens=%d reason=%s: %s", n, reason, exc)
+            return SaveResult(reason, n, "skipped", detail=str(exc))
         except (KVStoreError, PayloadError) as exc:
-            logger.warning("kv cache store failed tokens=%d reason=%s: %s", n, reason, exc)
+            # INFO, not WARNING: the SaveResult is the report; logging it louder would print it twice
+            logger.info("kv cache store failed tokens=%d reason=%s: %s", n, reason, exc)
             return SaveResult(reason, n, "failed", detail=str(exc))
         if entry is None:
             return SaveResult(reason, n, "skipped", detail="below min tokens or over the budget")

@@ -106,23 +106,34 @@ A file that failed to load is remembered (by name, size and mtime) so lookups st
 ``mark_unloadable`` does the same for a payload the session loader refuses (ds4 deletes that
 file; we keep it, since the bytes are intact and may suit another setup).
 
-One writer per directory (ds4 assumes the same); a ``KVStore`` is thread-safe within a process.
+Any number of writers per directory: each store takes an exclusive ``flock`` on
+``<dir>/.ds4-mlx-kv.lock`` around its eviction and write (ds4 assumes one writer), so the budget
+holds however many processes share the directory; lookups and loads take no lock (a file replaced
+under a reader is caught by the "changed since listed" check). A ``KVStore`` is thread-safe within
+a process.
+
+Only regular files are ever opened: a FIFO, link or directory named like an entry is skipped by
+``lstat`` before any open, and every open is non-blocking and re-checked with ``fstat``
+(``open_regular``), so such a file can neither hang a scan nor redirect a write.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import heapq
 import logging
 import math
 import os
 import re
+import stat
 import struct
 import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
 from pathlib import Path
@@ -177,6 +188,7 @@ _NAME_RE = re.compile(r"^([0-9a-fA-F]{40})\.kv$")
 _TEMP_RE = re.compile(r"^[0-9a-fA-F]{40}\.kv\.tmp\.(\d+)$")
 STALE_TEMP_SECONDS = 24 * 60 * 60  # a temp file this old is removed even if its pid is alive (reused)
 _READ_CHUNK = 64 * 1024 * 1024
+LOCK_NAME = ".ds4-mlx-kv.lock"  # flock'd around evict + write; matches neither name pattern
 
 
 class SaveReason(IntEnum):
@@ -446,6 +458,14 @@ class InvalidFile:
     corrupt: bool
 
 
+class KVCacheDirError(KVStoreError):
+    """The cache directory path is unusable: a regular file, or it cannot be created."""
+
+
+class KVSaveSkipped(KVStoreError):
+    """``store`` declined to write (not a failure): e.g. another model's checkpoint holds the name."""
+
+
 class KVFileRejected(KVStoreError):
     """A ``.kv`` file failed a check. ``corrupt``: damaged (vs. valid but for another setup)."""
 
@@ -529,14 +549,43 @@ def _parse_entry(f, path: Path, st: os.stat_result) -> Entry:
         model_id=t.model_id_field[:m], payload_version=t.payload_version, token_key=t.token_key.hex())
 
 
+class NotRegularFile(OSError):
+    """A path that names a FIFO, socket, device, directory or (unless followed) a symlink."""
+
+
+def open_regular(path: Path, flags: int = os.O_RDONLY, *, follow: bool = False):
+    """``(unbuffered binary file, fstat)`` of a regular file, opened so that it cannot hang.
+
+    A FIFO named like an entry would block a plain ``open`` until some writer appears (and then
+    feed it garbage): O_NONBLOCK makes the open return at once, and the fstat after it, on the
+    very file opened, refuses anything that is not a regular file. O_NOFOLLOW (unless ``follow``)
+    keeps a link in the cache directory from pointing a read or a header rewrite elsewhere.
+    Raises ``NotRegularFile`` or the ``OSError`` of the open.
+    """
+    extra = os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | (0 if follow else os.O_NOFOLLOW)
+    fd = os.open(path, flags | extra)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFile(errno.EINVAL, "not a regular file")
+        return os.fdopen(fd, "rb" if flags == os.O_RDONLY else "wb", buffering=0), st
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def read_entry(path: str | os.PathLike) -> Entry:
     """Cheap checks on one file (header, layout, trailer). Raises ``KVFileRejected``."""
     path = Path(path)
     try:
-        with open(path, "rb", buffering=0) as f:
-            return _parse_entry(f, path, os.fstat(f.fileno()))
+        f, st = open_regular(path, follow=True)
     except OSError as exc:
         raise KVFileRejected(path, f"cannot read: {exc.strerror or exc}", corrupt=False) from None
+    with f:
+        try:
+            return _parse_entry(f, path, st)
+        except OSError as exc:
+            raise KVFileRejected(path, f"cannot read: {exc.strerror or exc}", corrupt=False) from None
 
 
 @dataclass(frozen=True)
@@ -552,11 +601,11 @@ def read_contents(entry: Entry) -> FileContents:
     KTM block, file crc. Raises ``KVFileRejected``."""
     path = entry.path
     try:
-        f = open(path, "rb", buffering=0)
+        f, st = open_regular(path)
     except OSError as exc:
         raise KVFileRejected(path, f"cannot read: {exc.strerror or exc}", corrupt=False) from None
     with f:
-        now = _parse_entry(f, path, os.fstat(f.fileno()))
+        now = _parse_entry(f, path, st)
         if not now.same_snapshot(entry):
             raise KVFileRejected(path, "file changed since it was listed", corrupt=False)
         pre = _read_exact(f, TEXT_LEN_BYTES + entry.text_bytes, HEADER_BYTES, path, "text")
@@ -631,20 +680,29 @@ def scan_dir(directory: str | os.PathLike) -> DirScan:
     for name in names:
         path = directory / name
         if _TEMP_RE.match(name):
-            scan.temps.append(path)
+            try:
+                if stat.S_ISREG(path.lstat().st_mode):
+                    scan.temps.append(path)
+            except OSError:
+                pass
             continue
         if not _NAME_RE.match(name):
             continue
         try:
-            st = path.stat()
+            st = path.lstat()
         except FileNotFoundError:
             continue
         except OSError as exc:
             scan.invalid.append(InvalidFile(path, 0, 0, f"cannot stat: {exc.strerror}", corrupt=False))
             continue
+        if not stat.S_ISREG(st.st_mode):
+            continue  # a FIFO, link, directory...: never ours, never opened, never deleted
         try:
-            with open(path, "rb", buffering=0) as f:
-                scan.entries.append(_parse_entry(f, path, os.fstat(f.fileno())))
+            f, st = open_regular(path)
+            with f:
+                scan.entries.append(_parse_entry(f, path, st))
+        except NotRegularFile:
+            continue  # replaced by a non-regular file since the lstat
         except KVFileRejected as rej:
             scan.invalid.append(InvalidFile(path, st.st_size, st.st_mtime_ns, rej.reason, rej.corrupt))
         except FileNotFoundError:
@@ -751,18 +809,16 @@ def read_trailer_tokens(entry: Entry) -> bytes | None:
     text or payload (120 KB for a 30k-token checkpoint of several GB)."""
     n = 4 * entry.tokens
     try:
-        fd = os.open(entry.path, os.O_RDONLY)
+        f, st = open_regular(entry.path)
     except OSError:
         return None
-    try:
-        st = os.fstat(fd)
+    with f:
         if st.st_size != entry.file_size:
             return None
-        data = os.pread(fd, n, entry.file_size - TAIL_BYTES - n)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
+        try:
+            data = os.pread(f.fileno(), n, entry.file_size - TAIL_BYTES - n)
+        except OSError:
+            return None
     if len(data) != n or hashlib.sha1(data).hexdigest() != entry.token_key:
         return None  # damaged: a file we cannot trust must not demote another
     return data
@@ -926,6 +982,38 @@ def evict_to_budget(directory: str | os.PathLike, budget: int, now: float | None
     return removed
 
 
+def check_cache_dir(directory: str | os.PathLike) -> None:
+    """Raise ``KVCacheDirError`` when ``directory`` exists and is not a directory (it is created
+    later when missing)."""
+    path = Path(directory)
+    if path.exists() and not path.is_dir():
+        raise KVCacheDirError(f"{path}: exists and is not a directory; the KV cache needs a "
+                              f"directory of its own")
+
+
+@contextmanager
+def directory_lock(directory: str | os.PathLike) -> Iterator[bool]:
+    """Hold an exclusive advisory lock on the cache directory (``flock`` on ``LOCK_NAME`` in it).
+
+    Every writer takes it around "make room, then write", so the budget holds for any number of
+    processes sharing the directory: without it, each one evicts against the same listing and
+    then writes, and the directory ends up holding all their files. Yields False, unlocked, when
+    the lock file cannot be opened (a read-only directory, where nothing can be written anyway).
+    """
+    path = Path(directory) / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW
+                     | getattr(os, "O_CLOEXEC", 0), 0o600)
+    except OSError:
+        yield False
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield True
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def _fsync_dir(directory: Path) -> None:
     try:
         fd = os.open(directory, os.O_RDONLY)
@@ -988,13 +1076,15 @@ class KVStore:
         self._lock = threading.RLock()
         self._failed: dict[str, tuple[int, int]] = {}  # name -> (size, mtime_ns) of a failed load
         self._logged: set[tuple] = set()
+        check_cache_dir(self.directory)
         try:
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:
-            raise KVStoreError(f"{self.directory}: cannot create the KV cache directory: "
-                               f"{exc.strerror or exc}") from None
-        clean_stale_temps(self.directory, self._clock())
-        evict_to_budget(self.directory, self.budget, self._clock(), options=options)
+            raise KVCacheDirError(f"{self.directory}: cannot create the KV cache directory: "
+                                  f"{exc.strerror or exc}") from None
+        with directory_lock(self.directory):
+            clean_stale_temps(self.directory, self._clock())
+            evict_to_budget(self.directory, self.budget, self._clock(), options=options)
         logger.info("kv cache %s budget=%.2f MiB quant=%d ctx=%d cross-quant=%s min=%d cold_max=%d "
                     "continued=%d trim=%d align=%d anchor=x%g demote-superseded=%s", self.directory,
                     self.budget / 2**20, quant_bits, ctx, "accept" if accept_other_quant else "reject",
@@ -1145,16 +1235,15 @@ class KVStore:
                              ctx_size=entry.ctx_size, created_at=entry.created_at,
                              last_used=int(self._clock()), payload_bytes=entry.payload_bytes)
         try:
-            fd = os.open(entry.path, os.O_WRONLY)
+            f, _ = open_regular(entry.path, os.O_WRONLY)
         except OSError as exc:
             logger.warning("kv cache cannot record hit on %s: %s", entry.path, exc.strerror)
             return
-        try:
-            os.pwrite(fd, header, 0)
-        except OSError as exc:
-            logger.warning("kv cache cannot record hit on %s: %s", entry.path, exc.strerror)
-        finally:
-            os.close(fd)
+        with f:
+            try:
+                os.pwrite(f.fileno(), header, 0)
+            except OSError as exc:
+                logger.warning("kv cache cannot record hit on %s: %s", entry.path, exc.strerror)
 
     # -- store -----------------------------------------------------------------------------------
 
@@ -1199,69 +1288,81 @@ class KVStore:
             return None
         key = hashlib.sha1(text_b).hexdigest()
         name = f"{key}.kv"
-        with self._lock:
-            scan = self.scan()
-            same = scan.by_name(name)
-            hits, created = 0, int(self._clock())
-            keep_same = False  # a compatible copy of this very checkpoint is already there
-            same_why = same.reason if isinstance(same, InvalidFile) else None
-            if isinstance(same, Entry):
-                same_why = self.incompatibility(same)
-                if same_why is None and self._failed_before(same):
-                    # Our session loader refused its payload (e.g. another prefill chunk): keeping
-                    # it "as is" would report a save that no later run of ours can load.
-                    same_why = "its payload was refused by this loader"
-            if isinstance(same, Entry) and same_why is None:
-                # Fully verified (a read, cheaper than the write it saves): a damaged copy must
-                # not shadow the good checkpoint we hold in hand.
-                try:
-                    stored = read_contents(same)
-                except KVFileRejected as rej:
-                    logger.warning("kv cache existing %s is unusable: %s", same.path, rej.reason)
-                    stored, same_why = None, rej.reason
-                if stored is not None:
-                    if not ktm or encode_tool_map(stored.tool_map) == ktm:
-                        logger.debug("kv cache already holds %s", same.path)
-                        return same
-                    keep_same, hits, created = True, same.hits, same.created_at
-            same_bytes = same.file_size if same is not None else 0
-            others = [x for x in (*scan.entries, *scan.invalid) if x.path.name != name]
-            if same_bytes + file_bytes > self.budget:
-                if keep_same:
-                    logger.info("kv cache kept %s: no room to rewrite it with a new tool map", same.path)
+        with self._lock, directory_lock(self.directory):
+            return self._store_locked(name, n, token_bytes, text_b, views, payload_bytes, ktm, ext,
+                                      reason, key_kind, file_bytes)
+
+    def _store_locked(self, name: str, n: int, token_bytes: bytes, text_b: bytes, views: list,
+                      payload_bytes: int, ktm: bytes, ext: int, reason: SaveReason, key_kind: str,
+                      file_bytes: int) -> Entry | None:
+        """``store``'s part under both locks: make room, then write (see ``directory_lock``)."""
+        scan = self.scan()
+        same = scan.by_name(name)
+        hits, created = 0, int(self._clock())
+        keep_same = False  # a compatible copy of this very checkpoint is already there
+        same_why = same.reason if isinstance(same, InvalidFile) else None
+        if isinstance(same, Entry) and same.model_id != self.model_id:
+            # The name is the text's hash alone (ds4's): another model sharing the directory
+            # saved the same text. Its checkpoint is not ours to overwrite.
+            raise KVSaveSkipped(f"{same.path} holds another model's checkpoint of the same "
+                                f"text (model id {same.model_id.hex()[:16]}…); not overwritten")
+        if isinstance(same, Entry):
+            same_why = self.incompatibility(same)
+            if same_why is None and self._failed_before(same):
+                # Our session loader refused its payload (e.g. another prefill chunk): keeping
+                # it "as is" would report a save that no later run of ours can load.
+                same_why = "its payload was refused by this loader"
+        if isinstance(same, Entry) and same_why is None:
+            # Fully verified (a read, cheaper than the write it saves): a damaged copy must
+            # not shadow the good checkpoint we hold in hand.
+            try:
+                stored = read_contents(same)
+            except KVFileRejected as rej:
+                logger.warning("kv cache existing %s is unusable: %s", same.path, rej.reason)
+                stored, same_why = None, rej.reason
+            if stored is not None:
+                if not ktm or encode_tool_map(stored.tool_map) == ktm:
+                    logger.debug("kv cache already holds %s", same.path)
                     return same
-                if same is not None:
-                    self._remove(same.path, f"to make room for its replacement ({same_why})")
-                    same_bytes = 0
-            excess = sum(x.file_size for x in others) + same_bytes + file_bytes - self.budget
-            if excess > 0:  # scoring reads trailers; skip it when nothing has to go
-                pending = PendingCheckpoint(name, token_bytes, self.model_id, self.payload_version, created)
-                for item, score in eviction_order(others, self._clock(), options=self.options,
-                                                  pending=pending):
-                    if excess <= 0:
-                        break
-                    if _unlink_victim(item, score) is not None:
-                        excess -= item.file_size
-            if excess > 0:
-                raise KVStoreError(f"{self.directory}: cannot make room for a {file_bytes}-byte "
-                                   f"checkpoint within the {self.budget}-byte budget")
-            if same_bytes:
-                logger.info("kv cache replacing %s (%s)", same.path,
-                            "new tool map" if keep_same else same_why)
-            header = pack_header(quant_bits=self.quant_bits, reason=int(reason), ext_flags=ext,
-                                 tokens=n, hits=hits, ctx_size=self.ctx, created_at=created,
-                                 last_used=int(self._clock()), payload_bytes=payload_bytes)
-            tail = pack_tail(payload_version=self.payload_version, model_id=self.model_id,
-                             token_key=hashlib.sha1(token_bytes).digest())
-            t0 = time.perf_counter()
-            path = self.directory / name
-            self._write_atomic(path, header, [_TEXT_LEN.pack(len(text_b)), text_b, *views, ktm,
-                                              token_bytes, tail])
-            ms = (time.perf_counter() - t0) * 1e3
-            entry = read_entry(path)
-            logger.info("kv cache stored tokens=%d reason=%s key=%s size=%.2f MiB save=%.1f ms file=%s",
-                        n, reason.label, key_kind, file_bytes / 2**20, ms, path)
-            return entry
+                keep_same, hits, created = True, same.hits, same.created_at
+        same_bytes = same.file_size if same is not None else 0
+        others = [x for x in (*scan.entries, *scan.invalid) if x.path.name != name]
+        if same_bytes + file_bytes > self.budget:
+            if keep_same:
+                logger.info("kv cache kept %s: no room to rewrite it with a new tool map", same.path)
+                return same
+            if same is not None:
+                self._remove(same.path, f"to make room for its replacement ({same_why})")
+                same_bytes = 0
+        excess = sum(x.file_size for x in others) + same_bytes + file_bytes - self.budget
+        if excess > 0:  # scoring reads trailers; skip it when nothing has to go
+            pending = PendingCheckpoint(name, token_bytes, self.model_id, self.payload_version, created)
+            for item, score in eviction_order(others, self._clock(), options=self.options,
+                                              pending=pending):
+                if excess <= 0:
+                    break
+                if _unlink_victim(item, score) is not None:
+                    excess -= item.file_size
+        if excess > 0:
+            raise KVStoreError(f"{self.directory}: cannot make room for a {file_bytes}-byte "
+                               f"checkpoint within the {self.budget}-byte budget")
+        if same_bytes:
+            logger.info("kv cache replacing %s (%s)", same.path,
+                        "new tool map" if keep_same else same_why)
+        header = pack_header(quant_bits=self.quant_bits, reason=int(reason), ext_flags=ext,
+                             tokens=n, hits=hits, ctx_size=self.ctx, created_at=created,
+                             last_used=int(self._clock()), payload_bytes=payload_bytes)
+        tail = pack_tail(payload_version=self.payload_version, model_id=self.model_id,
+                         token_key=hashlib.sha1(token_bytes).digest())
+        t0 = time.perf_counter()
+        path = self.directory / name
+        self._write_atomic(path, header, [_TEXT_LEN.pack(len(text_b)), text_b, *views, ktm,
+                                          token_bytes, tail])
+        ms = (time.perf_counter() - t0) * 1e3
+        entry = read_entry(path)
+        logger.info("kv cache stored tokens=%d reason=%s key=%s size=%.2f MiB save=%.1f ms file=%s",
+                    n, reason.label, key_kind, file_bytes / 2**20, ms, path)
+        return entry
 
     @staticmethod
     def _remove(path: Path, why: str) -> None:
@@ -1293,8 +1394,7 @@ class KVStore:
                 tmp.unlink()
             except OSError:
                 pass
-            if isinstance(exc, OSError):
-                logger.warning("kv cache store failed %s: %s", path, exc.strerror or exc)
+            if isinstance(exc, OSError):  # raised, not logged: the caller makes the one report
                 code = errno.errorcode.get(exc.errno or 0, "")
                 raise KVStoreError(f"{path}: write failed: {exc.strerror or exc} {code}".rstrip()) from None
             raise
@@ -1304,6 +1404,6 @@ class KVStore:
 
     def evict(self, protect: str | None = None) -> list[Evicted]:
         """Evict down to the budget now (ds4 does this on open and after each store)."""
-        with self._lock:
+        with self._lock, directory_lock(self.directory):
             return evict_to_budget(self.directory, self.budget, self._clock(), protect=protect,
                                    options=self.options)

@@ -11,7 +11,8 @@ Layout (little-endian)::
     0    8           magic b"DS4MLXSP"
     8    4           version (1)
     12   4           header bytes H = 96 + 4·n_layer (everything up to the token ids)
-    16   32          model id: sha256 of the GGUF's metadata + tensor table bytes (``model_fingerprint``)
+    16   32          model id: sha256 of the GGUF's metadata + tensor table + a sample of every
+                     tensor's bytes (``model_fingerprint``)
     48   4 × 6       n_layer, n_embd, n_vocab, head_dim, indexer_head_dim, n_swa
     72   4           ctx the session was created with
     76   4           prefill chunk (chunk boundaries are absolute multiples of it)
@@ -86,20 +87,49 @@ FIELDS = ("rows", "kst", "gst")
 _FILL = {1: np.float32(0.0), 2: np.float32(EMPTY_SCORE)}
 
 
+FINGERPRINT_BLOCK = 4096  # bytes per sample
+FINGERPRINT_SAMPLES = 16  # samples per tensor, evenly spaced, first and last block included
+
+
+def fingerprint_spans(offset: int, nbytes: int) -> list[tuple[int, int]]:
+    """(offset, length) of the bytes of one tensor that enter the model id: all of a tensor of up
+    to 64 KiB, else 16 blocks of 4 KiB evenly spaced from its first byte to its last."""
+    if nbytes <= FINGERPRINT_SAMPLES * FINGERPRINT_BLOCK:
+        return [(offset, nbytes)] if nbytes else []
+    step = (nbytes - FINGERPRINT_BLOCK) // (FINGERPRINT_SAMPLES - 1)
+    return [(offset + i * step if i < FINGERPRINT_SAMPLES - 1 else offset + nbytes - FINGERPRINT_BLOCK,
+             FINGERPRINT_BLOCK) for i in range(FINGERPRINT_SAMPLES)]
+
+
 def model_fingerprint(gguf_file) -> bytes:
     """32-byte model id: sha256 of the GGUF bytes before the tensor data (header, metadata, tensor
-    table). Names, types, shapes and offsets of every tensor and all metadata enter the hash; the
-    weight bytes do not (hashing 80 GB on every open is not an option), so two files that differ
-    only in tensor contents share an id."""
+    table) followed by a fixed sample of every tensor's data (``fingerprint_spans``, in file order).
+
+    The header alone names every tensor's type, shape and offset, so it tells models of other
+    shapes or quantisations apart, but not two files of the same layout with other weights (a
+    retrain, a fine-tune, another quantiser of the same types): those would load each other's KV
+    checkpoints and answer wrongly. Hashing all the weights (81 GB for the real model) on every
+    start is not acceptable and a remembered hash can go stale, so a sample is taken instead: up to
+    64 KiB per tensor (about 80 MB, in 4 KiB reads, for the real model; all of every small tensor).
+    Any retrain, fine-tune or re-quantisation rewrites nearly every block of the tensors it
+    touches, so it changes sampled bytes; an edit of a few bytes between samples would not, and is
+    not what this guards against.
+    """
     end = int(gguf_file.info_end)
     h = hashlib.sha256()
+    spans = [(0, end)]
+    for t in sorted(getattr(gguf_file, "tensors", {}).values(), key=lambda t: t.offset):
+        spans += fingerprint_spans(int(t.offset), int(t.nbytes))
     with open(gguf_file.path, "rb") as fh:
-        while end > 0:
-            block = fh.read(min(end, 1 << 22))
-            if not block:
-                raise PayloadError(f"{gguf_file.path}: file shorter than its GGUF header ({gguf_file.info_end} bytes)")
-            h.update(block)
-            end -= len(block)
+        for off, n in spans:
+            fh.seek(off)
+            while n > 0:
+                block = fh.read(min(n, 1 << 22))
+                if not block:
+                    raise PayloadError(f"{gguf_file.path}: file ends at byte {fh.tell()}, before the "
+                                       f"{'GGUF header' if off == 0 else 'tensor data'} it declares")
+                h.update(block)
+                n -= len(block)
     return h.digest()
 
 
@@ -192,6 +222,22 @@ def _header(cfg: ModelConfig, *, model_id: bytes, ctx: int, chunk: int, n_tokens
     return fixed + ratios.tobytes()
 
 
+class NonFiniteStateError(PayloadError):
+    """The state holds a NaN or an infinity: it must never be saved (it would poison every run
+    that continues from it) nor loaded."""
+
+
+def _check_finite(a: np.ndarray, what: str, offset: int | None = None) -> None:
+    """Raise ``NonFiniteStateError`` naming ``what`` and the first bad element."""
+    ok = np.isfinite(a)
+    if ok.all():
+        return
+    i = int(np.flatnonzero(~ok.reshape(-1))[0])
+    where = f" (byte offset {offset})" if offset is not None else ""
+    raise NonFiniteStateError(f"session payload: {what} holds a non-finite value ({a.reshape(-1)[i]} at "
+                              f"element {i}){where}")
+
+
 def encode(cfg: ModelConfig, *, model_id: bytes, ctx: int, chunk: int, numerics: str,
            tokens: Sequence[int], logits: np.ndarray, arrays: dict[str, np.ndarray]) -> list[bytes | memoryview]:
     """The payload as a list of buffers (in order; the caller writes them, never needs to join them).
@@ -211,6 +257,7 @@ def encode(cfg: ModelConfig, *, model_id: bytes, ctx: int, chunk: int, numerics:
     logits = np.ascontiguousarray(logits, dtype="<f4").reshape(-1)
     if logits.size != cfg.n_vocab:
         raise PayloadError(f"logits have {logits.size} entries, vocabulary is {cfg.n_vocab}")
+    _check_finite(logits, "logits")
     specs = expected_arrays(cfg, n)
     pieces: list[bytes | memoryview] = [
         _header(cfg, model_id=model_id, ctx=ctx, chunk=chunk, n_tokens=n, numerics=numerics,
@@ -225,6 +272,7 @@ def encode(cfg: ModelConfig, *, model_id: bytes, ctx: int, chunk: int, numerics:
         a = np.ascontiguousarray(a, dtype="<f4")
         if a.shape != spec.shape:
             raise PayloadError(f"state array {spec.key} has shape {a.shape}, {n} tokens imply {spec.shape}")
+        _check_finite(a, f"state array {spec.key}")
         stored = _stored_rows(a, spec.field)
         a = a[:stored]
         dtype = DTYPE_F16 if a.size and _f16_exact(a) else DTYPE_F32
@@ -264,6 +312,10 @@ class _Reader:
             self.buf = memoryview(src).cast("B")
             if limit is None:
                 limit = self.buf.nbytes
+            elif limit > self.buf.nbytes:
+                # Without this the reads stop at the buffer's end and the final size check would
+                # call the missing bytes "trailing".
+                raise PayloadError(f"session payload: truncated: {self.buf.nbytes} of {limit} bytes")
         self.limit = limit
         self.offset = 0
         self.crc = 0
@@ -271,14 +323,15 @@ class _Reader:
     def take(self, n: int, what: str) -> memoryview:
         if self.limit is not None and self.offset + n > self.limit:
             raise PayloadError(f"truncated payload: {what} at byte offset {self.offset} needs {n} bytes, "
-                               f"only {self.limit - self.offset} left")
+                               f"only {self.limit - self.offset} left of {self.limit}")
         if self.buf is not None:
             data = self.buf[self.offset:self.offset + n]
         else:
             data = memoryview(self.fp.read(n))
             if data.nbytes != n:
+                of = "" if self.limit is None else f" (truncated: {self.offset + data.nbytes} of {self.limit} bytes)"
                 raise PayloadError(f"truncated payload: {what} at byte offset {self.offset} needs {n} bytes, "
-                                   f"the file ends after {data.nbytes}")
+                                   f"the file ends after {data.nbytes}{of}")
         self.crc = zlib.crc32(data, self.crc)
         self.offset += n
         return data
@@ -344,9 +397,11 @@ def decode(src, cfg: ModelConfig, *, model_id: bytes, ctx: int, chunk: int,
     if bad.size:
         i = int(bad[0])
         raise fail(f"token id {int(tokens[i])} at index {i} is outside the vocabulary", tok_off + 4 * i)
+    logits_off = r.offset
     logits = np.frombuffer(r.take(4 * cfg.n_vocab, "logits"), dtype="<f4").astype(np.float32)
 
     arrays: dict[str, np.ndarray] = {}
+    data_offsets: dict[str, int] = {}
     for spec in specs:
         off = r.offset
         layer, lane, field, dtype, rows, cols, stored = _RECORD.unpack(
@@ -369,6 +424,7 @@ def decode(src, cfg: ModelConfig, *, model_id: bytes, ctx: int, chunk: int,
         if stored < rows:
             a[stored:] = _FILL[field]
         arrays[spec.key] = a
+        data_offsets[spec.key] = off + RECORD_HEADER_BYTES
 
     crc_off = r.offset
     want_crc = r.crc
@@ -379,5 +435,10 @@ def decode(src, cfg: ModelConfig, *, model_id: bytes, ctx: int, chunk: int,
         where = r.offset
         extra = "" if r.limit is None else f" ({r.limit - r.offset} bytes)"
         raise fail(f"trailing bytes after the payload{extra}", where)
+    # After the checksum: a non-finite value here is not damage but a state that was broken when
+    # saved (by a writer that did not check), and continuing from it would poison the session.
+    _check_finite(logits, "logits", logits_off)
+    for key, a in arrays.items():
+        _check_finite(a, f"state array {key}", data_offsets[key])
     return Payload(bytes(saved_id), saved_ctx, saved_chunk, numerics, [int(t) for t in tokens], logits, arrays)
 

@@ -13,6 +13,13 @@ Scores are ds4-mlx's (cold / evict / shutdown x2, continued prefixes of a newer 
 ``--ds4-head`` uses ds4 HEAD's plain score instead.
 
 ``--json`` prints the same information as JSON.
+
+Exit status: 0 when the command did what it was asked; 1 when ``inspect`` finds the file invalid
+or ``prune`` could not bring the directory within the budget (a file it could not delete); 2 with
+one ``ds4-mlx: ...`` line for bad input: a missing directory or file, a file that is not a KV cache
+file at all (bad magic: nothing else of it is printed), a numeric option out of range. Cache
+failures during ``generate`` (``--kv-disk-dir``) do not change its exit status: see
+``engine/disk_cache.py`` (exit 0, one stderr line per failed save).
 """
 
 from __future__ import annotations
@@ -34,15 +41,18 @@ from ds4_mlx.engine.kvstore import (
     TAIL_MAGIC,
     TEXT_LEN_BYTES,
     Entry,
+    KVC_MAGIC,
     KVFileRejected,
     RawHeader,
     RawTail,
     SaveReason,
     clean_stale_temps,
+    directory_lock,
     evict_to_budget,
     eviction_scores,
     key_kind_of,
     read_contents,
+    open_regular,
     read_entry,
     scan_dir,
 )
@@ -50,6 +60,7 @@ from ds4_mlx.engine.kvstore_policy import DEFAULT_OPTIONS, MIB, KVStoreOptions
 from ds4_mlx.errors import KVStoreError
 
 PREVIEW_CHARS = 40
+MAX_BUDGET_MB = 2**30  # 1 PiB: far beyond any disk, small enough to stay exact in bytes
 _EXT_NAMES = [(EXT_TOOL_MAP, "tool-map"), (EXT_RESPONSES_VISIBLE, "responses-visible"),
               (EXT_THINKING_VISIBLE, "thinking-visible"), (EXT_DS4_MLX, "ds4-mlx")]
 
@@ -67,7 +78,8 @@ def register(subparsers) -> None:
     ins.add_argument("--json", action="store_true", help="print a JSON object")
     pr = sub.add_parser("prune", help="evict checkpoints until the directory fits a budget")
     pr.add_argument("dir", help="KV cache directory")
-    pr.add_argument("--budget-mb", type=float, required=True, help="budget in MiB (0 removes all)")
+    pr.add_argument("--budget-mb", type=float, required=True,
+                    help=f"budget in MiB, 0..{MAX_BUDGET_MB} (0 removes all)")
     pr.add_argument("--json", action="store_true", help="print a JSON object")
     pr.add_argument("--ds4-head", action="store_true", help="evict in ds4 HEAD's order")
     p.set_defaults(func=run)
@@ -97,9 +109,9 @@ def escape_text(text: str) -> str:
 
 
 def _read_at(path: Path, offset: int, n: int) -> bytes:
-    with open(path, "rb") as f:
-        f.seek(offset)
-        return f.read(n)
+    f, _ = open_regular(path, follow=True)  # never blocks on a FIFO swapped in after the listing
+    with f:
+        return os.pread(f.fileno(), n, offset)
 
 
 def text_preview(path: Path, text_bytes: int, chars: int = PREVIEW_CHARS) -> tuple[str, str]:
@@ -157,10 +169,17 @@ def _entry_json(e: Entry, head: str, tail: str) -> dict:
 # -- ls ------------------------------------------------------------------------------------------
 
 
-def run_ls(args: argparse.Namespace) -> int:
-    directory = Path(args.dir)
+def _cache_dir(arg: str) -> Path:
+    directory = Path(arg)
+    if not directory.exists():
+        raise KVStoreError(f"{directory}: KV cache directory does not exist")
     if not directory.is_dir():
-        raise KVStoreError(f"{directory}: not a directory")
+        raise KVStoreError(f"{directory}: not a directory (a KV cache is a directory of .kv files)")
+    return directory
+
+
+def run_ls(args: argparse.Namespace) -> int:
+    directory = _cache_dir(args.dir)
     scan = scan_dir(directory)
     scores = eviction_scores([*scan.entries, *scan.invalid], time.time(), scoring_options(args))
     rows = []
@@ -210,10 +229,20 @@ def inspect_report(path: Path) -> dict:
     """Every field that can be decoded, plus ``problems`` (empty when the file is fully valid)."""
     try:
         size = path.stat().st_size
+    except FileNotFoundError:
+        raise KVStoreError(f"{path}: does not exist") from None
     except OSError as exc:
         raise KVStoreError(f"{path}: cannot read: {exc.strerror or exc}") from None
     if not path.is_file():
         raise KVStoreError(f"{path}: not a regular file")
+    try:
+        magic = _read_at(path, 0, len(KVC_MAGIC))
+    except OSError as exc:
+        raise KVStoreError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    if magic != KVC_MAGIC:
+        # Decoding anything further would print garbage fields (a GGUF read as a header).
+        raise KVStoreError(f"{path}: not a ds4-mlx KV cache file (bad magic {magic!r}, "
+                           f"expected {KVC_MAGIC!r})")
     report: dict = {"file": str(path), "size": size, "header": None, "text_bytes": None,
                     "text_head": None, "text_tail": None, "trailer": None, "tool_map_entries": None,
                     "file_crc": "not checked", "problems": [], "notes": []}
@@ -310,17 +339,18 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def run_prune(args: argparse.Namespace) -> int:
-    directory = Path(args.dir)
-    if not directory.is_dir():
-        raise KVStoreError(f"{directory}: not a directory")
-    if args.budget_mb < 0:
-        raise KVStoreError(f"--budget-mb {args.budget_mb}: must be >= 0")
+    directory = _cache_dir(args.dir)
+    if not 0 <= args.budget_mb <= MAX_BUDGET_MB:  # also false for nan
+        raise KVStoreError(f"--budget-mb {args.budget_mb}: must be a number of MiB from 0 to "
+                           f"{MAX_BUDGET_MB} (0 removes every file)")
     budget = int(args.budget_mb * MIB)
     now = time.time()
-    temps = clean_stale_temps(directory, now)
-    removed = evict_to_budget(directory, budget, now, options=scoring_options(args))
-    scan = scan_dir(directory)
+    with directory_lock(directory):  # a writer in another process must not refill it meanwhile
+        temps = clean_stale_temps(directory, now)
+        removed = evict_to_budget(directory, budget, now, options=scoring_options(args))
+        scan = scan_dir(directory)
     kept = len(scan.entries) + len(scan.invalid)
+    rc = 0 if scan.total_bytes <= budget else 1
     if args.json:
         print(json.dumps({
             "budget_bytes": budget, "total_bytes": scan.total_bytes, "kept_files": kept,
@@ -329,7 +359,7 @@ def run_prune(args: argparse.Namespace) -> int:
                         for ev in removed],
             "temps_removed": [os.fspath(p.name) for p in temps],
         }, indent=2))
-        return 0
+        return rc
     for p in temps:
         print(f"removed temp {p.name}")
     for ev in removed:
@@ -339,4 +369,4 @@ def run_prune(args: argparse.Namespace) -> int:
           f"<= budget {human_size(budget)}" if scan.total_bytes <= budget else
           f"{len(removed)} removed, {kept} kept, {human_size(scan.total_bytes)} still over budget "
           f"{human_size(budget)} (files that could not be removed)")
-    return 0
+    return rc

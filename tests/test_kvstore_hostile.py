@@ -1,0 +1,239 @@
+"""The disk KV cache and ``ds4-mlx kv`` against hostile input: files that are not KV files, FIFOs
+named like entries, missing or unusable directories, out-of-range options, several writers on one
+directory. No model needed; runs that could hang run in a subprocess under a timeout."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ds4_mlx.engine import kvstore
+from ds4_mlx.engine.kvstore import KVCacheDirError, KVStore
+from ds4_mlx.frontends.cli import main
+
+MODEL = bytes(range(32))
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_store(d, budget_mb=64, **kw) -> KVStore:
+    return KVStore(d, budget_mb, model_id=kw.pop("model_id", MODEL), quant_bits=2, ctx=65536, **kw)
+
+
+def toks(n: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 129280, n).tolist()
+
+
+def run_py(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter on this tree; a hang fails the test instead of the run."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    try:
+        return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                              text=True, timeout=timeout, env=env, cwd=REPO)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"hung for {timeout} s (a blocking open?)")
+
+
+# -- kv CLI ------------------------------------------------------------------------------------------
+
+
+def test_inspect_of_a_non_kv_file_is_one_line_and_prints_no_fields(tmp_path, capsys):
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + os.urandom(4000))
+    for extra in ([], ["--json"]):
+        assert main(["kv", "inspect", str(gguf), *extra]) == 2
+        out, err = capsys.readouterr()
+        assert out == ""  # no "version 70", no payload bytes in the quintillions, no year 10^11
+        assert err.count("\n") == 1 and "not a ds4-mlx KV cache file (bad magic b'GGU'" in err
+    tiny = tmp_path / "short.kv"
+    tiny.write_bytes(b"K")
+    assert main(["kv", "inspect", str(tiny)]) == 2
+    assert "bad magic b'K'" in capsys.readouterr().err
+
+
+def test_ls_and_prune_of_a_missing_dir_say_it_does_not_exist(tmp_path, capsys):
+    for cmd in (["ls"], ["prune", "--budget-mb", "1"]):
+        assert main(["kv", cmd[0], str(tmp_path / "missing"), *cmd[1:]]) == 2
+        err = capsys.readouterr().err
+        assert "missing: KV cache directory does not exist" in err and "not a directory" not in err
+    (tmp_path / "file").write_bytes(b"x")
+    assert main(["kv", "ls", str(tmp_path / "file")]) == 2
+    assert "not a directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1", "-0.5", "1e30", "-inf"])
+def test_prune_budget_out_of_range_is_one_line(tmp_path, capsys, value):
+    assert main(["kv", "prune", str(tmp_path), f"--budget-mb={value}"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert f"--budget-mb {float(value)}: must be a number of MiB from 0 to" in err
+
+
+def test_prune_that_cannot_delete_exits_non_zero(tmp_path, capsys, monkeypatch):
+    store = make_store(tmp_path)
+    e = store.store(toks(600), "text", bytes(5000), "cold")
+    real_unlink = Path.unlink
+
+    def refuse(self, missing_ok=False):
+        if self.suffix == ".kv":
+            raise PermissionError(13, "Permission denied")
+        return real_unlink(self, missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", refuse)
+    assert main(["kv", "prune", str(tmp_path), "--budget-mb", "0"]) == 1
+    assert "still over budget" in capsys.readouterr().out
+    assert main(["kv", "prune", str(tmp_path), "--budget-mb", "0", "--json"]) == 1
+    capsys.readouterr()
+    monkeypatch.undo()
+    assert e.path.exists()
+    assert main(["kv", "prune", str(tmp_path), "--budget-mb", "0"]) == 0
+
+
+# -- cache directory ---------------------------------------------------------------------------------
+
+
+def test_cache_dir_that_is_a_regular_file_is_a_typed_error(tmp_path):
+    f = tmp_path / "not-a-dir"
+    f.write_bytes(b"data")
+    with pytest.raises(KVCacheDirError, match="not-a-dir: exists and is not a directory"):
+        make_store(f)
+    from ds4_mlx.engine.disk_cache import DiskCache
+
+    # checked first, before the engine is asked for anything (its model id reads the weights)
+    with pytest.raises(KVCacheDirError, match="exists and is not a directory"):
+        DiskCache(object(), f)
+    assert f.read_bytes() == b"data"
+
+
+def test_failed_write_is_raised_not_logged(tmp_path, monkeypatch, caplog):
+    store = make_store(tmp_path)
+
+    def full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(kvstore.os, "fsync", full)
+    with caplog.at_level("DEBUG", logger="ds4_mlx"):
+        with pytest.raises(kvstore.KVStoreError, match="No space left"):
+            store.store(toks(600), "t", bytes(100), "cold")
+    assert not [r for r in caplog.records if r.levelname in ("WARNING", "ERROR")]
+
+
+# -- FIFOs and other non-regular files ---------------------------------------------------------------
+
+
+def test_fifo_named_like_an_entry_hangs_nothing(tmp_path):
+    store = make_store(tmp_path)
+    good = store.store(toks(600), "good", bytes(5000), "cold")
+    fifo = tmp_path / ("ab" * 20 + ".kv")
+    os.mkfifo(fifo)
+    os.mkfifo(tmp_path / ("cd" * 20 + f".kv.tmp.{2**22 + 7}"))  # a dead writer's "temp"
+    os.symlink(good.path, tmp_path / ("ef" * 20 + ".kv"))
+    r = run_py(f"""
+        from ds4_mlx.frontends.cli import main
+        from ds4_mlx.engine.kvstore import KVStore
+        import numpy as np
+        d = {str(tmp_path)!r}
+        assert main(["kv", "ls", d]) == 0
+        assert main(["kv", "inspect", d + "/{fifo.name}"]) == 2
+        s = KVStore(d, 64, model_id=bytes(range(32)), quant_bits=2, ctx=65536)
+        t = np.random.default_rng(0).integers(0, 129280, 600).tolist()
+        assert s.lookup(tokens=t).name == {good.name!r}
+        assert s.load(s.lookup(rendered_text="good")).payload == bytes(5000)
+        s.store(np.random.default_rng(1).integers(0, 129280, 600).tolist(), "more", bytes(5000), "cold")
+        assert main(["kv", "prune", d, "--budget-mb", "0"]) == 0
+        print("done")
+    """)
+    assert r.returncode == 0, r.stderr
+    assert "done" in r.stdout and "1 valid, 0 invalid" in r.stdout  # the FIFO and link: not listed
+    assert "not a regular file" in r.stderr
+    assert fifo.exists() and not good.path.exists()  # prune removed entries, never the FIFO
+
+
+def test_read_entry_refuses_a_fifo_without_blocking(tmp_path):
+    fifo = tmp_path / ("ab" * 20 + ".kv")
+    os.mkfifo(fifo)
+    r = run_py(f"""
+        from ds4_mlx.engine.kvstore import KVFileRejected, read_entry
+        try:
+            read_entry({str(fifo)!r})
+        except KVFileRejected as rej:
+            print(rej.reason)
+    """, timeout=60)
+    assert "not a regular file" in r.stdout, r.stderr
+
+
+# -- several writers ---------------------------------------------------------------------------------
+
+BUDGET_MB = 2
+FILE_BYTES = 300_000
+
+
+def _writer(d: str, seed: int, n: int) -> None:
+    store = make_store(d, BUDGET_MB)
+    for i in range(n):
+        store.store(toks(600, 1000 * seed + i), f"writer {seed} file {i}", bytes(FILE_BYTES), "cold")
+
+
+def _dir_bytes(d: Path) -> int:
+    total = 0
+    for name in os.listdir(d):
+        try:
+            total += os.path.getsize(d / name)
+        except FileNotFoundError:
+            pass  # evicted or renamed since the listing: only ever undercounts
+    return total
+
+
+def test_concurrent_writers_keep_the_budget(tmp_path):
+    budget = BUDGET_MB * 2**20
+    make_store(tmp_path, BUDGET_MB)  # creates the directory
+    peak = [0]
+    stop = threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], _dir_bytes(tmp_path))
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+    procs = [ctx.Process(target=_writer, args=(str(tmp_path), seed, 12)) for seed in range(4)]
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=240)
+    finally:
+        stop.set()
+        sampler.join()
+    assert all(p.exitcode == 0 for p in procs)
+    assert _dir_bytes(tmp_path) <= budget
+    assert peak[0] <= budget, f"peak {peak[0]} bytes > budget {budget}"
+    assert len(list(tmp_path.glob("*.kv"))) >= 1
+
+
+def test_lock_is_exclusive_across_processes(tmp_path):
+    with kvstore.directory_lock(tmp_path) as held:
+        assert held
+        r = run_py(f"""
+            import fcntl, os
+            fd = os.open({str(tmp_path / kvstore.LOCK_NAME)!r}, os.O_RDWR)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                print("acquired")
+            except BlockingIOError:
+                print("busy")
+        """, timeout=60)
+    assert r.stdout.strip() == "busy", r.stderr
+    t0 = time.time()
+    with kvstore.directory_lock(tmp_path):
+        pass
+    assert time.time() - t0 < 5
