@@ -21,7 +21,6 @@ from ds4_mlx.chat.messages import ToolCall
 from ds4_mlx.chat.pieces import encode_pieces, join
 from ds4_mlx.chat.request import encode_request, render_request
 from ds4_mlx.chat.template import (
-    ThinkMode,
     encode_assistant_suffix,
     encode_messages,
     encode_tail,
