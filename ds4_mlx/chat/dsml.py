@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from ds4_mlx.chat import json_text
 from ds4_mlx.chat.messages import ParsedMessage, ToolCall
+from ds4_mlx.chat.pieces import Piece, ctl, join, txt
 from ds4_mlx.errors import ChatError
 
 DSML = "｜DSML｜"
@@ -135,10 +136,70 @@ def request_tool_calls(calls: Iterable | None) -> list[tuple[str, str]]:
     return out
 
 
-def _render_parameter(key: str, value: str, is_string: bool) -> str:
+def _parameter_pieces(key: str, value: str, is_string: bool) -> list[Piece]:
     body = escape_string_body(value) if is_string else escape_json_body(value)
     flag = "true" if is_string else "false"
-    return f'{FULL.param_start} name="{escape_attr(key)}" string="{flag}">{body}{FULL.param_end}\n'
+    return [ctl(f'{FULL.param_start} name="'), txt(escape_attr(key)), ctl(f'" string="{flag}">'),
+            txt(body), ctl(FULL.param_end + "\n")]
+
+
+def tool_call_pieces(calls: Iterable, raw_dsml: str | None = None) -> list[Piece]:
+    """:func:`render_tool_calls` as typed pieces: the DSML tags are markup (their ``｜DSML｜`` is
+    the control token), tool names, parameter names and values are request text (plain BPE).
+
+    Why values need this: ds4 escapes only the closing parameter tag, and only to
+    ``&lt;/｜DSML｜parameter>`` (``\\u003c…`` in JSON bodies), which still holds the ``｜DSML｜``
+    string; any other marker in a value (``<｜DSML｜invoke …>``, ``</｜DSML｜tool_calls>``,
+    ``</think>``) is not escaped at all.  Tokenizing the joined text would turn those into control
+    tokens; here they stay text.  A ``raw_dsml`` replay is split by :func:`raw_dsml_pieces`."""
+    fields = [_call_fields(c) for c in calls]
+    fields = [f for f in fields if f is not None]
+    if not fields:
+        return []
+    if raw_dsml:
+        return raw_dsml_pieces(raw_dsml)
+    out = [ctl("\n\n" + FULL.tool_calls_start + "\n")]
+    for name, args in fields:
+        out += [ctl(f'{FULL.invoke_start} name="'), txt(escape_attr(name)), ctl('">\n')]
+        members = json_text.parse_members(args)
+        if members is None:
+            out += _parameter_pieces("arguments", args, True)
+        else:
+            for key, value, is_string in members:
+                out += _parameter_pieces(key, value, is_string)
+        out.append(ctl(FULL.invoke_end + "\n"))
+    out.append(ctl(FULL.tool_calls_end))
+    return out
+
+
+def raw_dsml_pieces(raw: str) -> list[Piece]:
+    """An exact sampled block (``ParsedMessage.raw_dsml``) as typed pieces.
+
+    Rule: a marker is structural, hence a control token, only where the parser that extracted the
+    calls from this very text (:func:`parse_block`) consumed it as a tag: the block's start and end,
+    each invoke's open and close, each parameter's open and close (nested ones included).  Parameter
+    bodies, attributes and the whitespace between tags are plain text: a string body ends at the
+    first ``</｜DSML｜parameter>``, so it never holds that tag, and any other marker inside it
+    (``<｜DSML｜invoke``, the escaped ``&lt;/｜DSML｜parameter>``) is data.  Text that is not exactly
+    one full-spelling block (optionally after a blank line) is all plain text: the short and plain
+    spellings hold no special string, and nothing unparsed can be trusted as structure."""
+    lead = 2 if raw.startswith("\n\n") else 0
+    if not raw.startswith(FULL.tool_calls_start, lead):
+        return [txt(raw)]
+    marks: list[tuple[int, int]] = []
+    parsed = parse_block(raw, 0, FULL, marks)
+    if parsed is None or parsed[1] != len(raw):
+        return [txt(raw)]
+    out: list[Piece] = []
+    pos = 0
+    for a, b in marks:
+        if a > pos:
+            out.append(txt(raw[pos:a]))
+        out.append(ctl(raw[a:b]))
+        pos = b
+    if pos < len(raw):
+        out.append(txt(raw[pos:]))
+    return out
 
 
 def render_tool_calls(calls: Iterable, raw_dsml: str | None = None) -> str:
@@ -148,24 +209,7 @@ def render_tool_calls(calls: Iterable, raw_dsml: str | None = None) -> str:
     key order; string values raw, other values minified JSON; arguments that are not a JSON object
     become a single string parameter named ``arguments``.  When ``raw_dsml`` (the exact sampled
     block) is given and there is at least one call, it is returned unchanged, as ds4 does."""
-    fields = [_call_fields(c) for c in calls]
-    fields = [f for f in fields if f is not None]
-    if not fields:
-        return ""
-    if raw_dsml:
-        return raw_dsml
-    out = ["\n\n", FULL.tool_calls_start, "\n"]
-    for name, args in fields:
-        out.append(f'{FULL.invoke_start} name="{escape_attr(name)}">\n')
-        members = json_text.parse_members(args)
-        if members is None:
-            out.append(_render_parameter("arguments", args, True))
-        else:
-            for key, value, is_string in members:
-                out.append(_render_parameter(key, value, is_string))
-        out.append(FULL.invoke_end + "\n")
-    out.append(FULL.tool_calls_end)
-    return "".join(out)
+    return join(tool_call_pieces(calls, raw_dsml))
 
 
 # --------------------------------------------------------------------------------------------
@@ -218,7 +262,13 @@ def find_block_start(text: str, start: int = 0) -> tuple[int, DsmlSyntax] | None
     return None
 
 
-def parse_nested_object(text: str, p: int, syn: DsmlSyntax) -> tuple[str, int] | None:
+def _mark(marks: list[tuple[int, int]] | None, start: int, marker: str) -> None:
+    if marks is not None:
+        marks.append((start, start + len(marker)))
+
+
+def parse_nested_object(text: str, p: int, syn: DsmlSyntax,
+                        marks: list[tuple[int, int]] | None = None) -> tuple[str, int] | None:
     """A parameter without ``string=`` whose body is more parameters: the model drifted into nested
     XML; ds4 turns the children into a JSON object [dsml_parse_nested_params_object].
 
@@ -240,19 +290,28 @@ def parse_nested_object(text: str, p: int, syn: DsmlSyntax) -> tuple[str, int] |
         if end < 0:
             return None
         members.append(param_value_member(name, text[gt + 1 : end], attr(tag, "string")))
+        _mark(marks, p, syn.param_start)
+        _mark(marks, end, syn.param_end)
         p = end + len(syn.param_end)
     if not members:
         return None
     return "{" + ", ".join(members) + "}", p
 
 
-def parse_block(text: str, p: int, syn: DsmlSyntax) -> tuple[list[ToolCall], int] | None:
-    """Parse the block whose start marker begins at ``p``; (calls, index after the end marker)."""
-    p = text.find(syn.tool_calls_start, p) + len(syn.tool_calls_start)
+def parse_block(text: str, p: int, syn: DsmlSyntax,
+                marks: list[tuple[int, int]] | None = None) -> tuple[list[ToolCall], int] | None:
+    """Parse the block whose start marker begins at ``p``; (calls, index after the end marker).
+
+    ``marks``, when given, receives the (start, end) of every tag marker consumed, in text order
+    (what :func:`raw_dsml_pieces` treats as structure)."""
+    p = text.find(syn.tool_calls_start, p)
+    _mark(marks, p, syn.tool_calls_start)
+    p += len(syn.tool_calls_start)
     calls: list[ToolCall] = []
     while True:
         p = json_text.skip_ws(text, p)
         if text.startswith(syn.tool_calls_end, p):
+            _mark(marks, p, syn.tool_calls_end)
             return calls, p + len(syn.tool_calls_end)
         if not text.startswith(syn.invoke_start, p):
             return None
@@ -262,11 +321,13 @@ def parse_block(text: str, p: int, syn: DsmlSyntax) -> tuple[list[ToolCall], int
         name = attr(text[p : gt + 1], "name")
         if name is None:
             return None
+        _mark(marks, p, syn.invoke_start)
         p = gt + 1
         members: list[str] = []
         while True:
             p = json_text.skip_ws(text, p)
             if text.startswith(syn.invoke_end, p):
+                _mark(marks, p, syn.invoke_end)
                 p += len(syn.invoke_end)
                 break
             if not text.startswith(syn.param_start, p):
@@ -280,19 +341,22 @@ def parse_block(text: str, p: int, syn: DsmlSyntax) -> tuple[list[ToolCall], int
                 return None
             kind = attr(tag, "string")
             body = gt + 1
+            _mark(marks, p, syn.param_start)
             if kind is None and text.startswith(syn.param_start, json_text.skip_ws(text, body)):
-                nested = parse_nested_object(text, body, syn)
+                nested = parse_nested_object(text, body, syn, marks)
                 if nested is None:
                     return None
                 members.append(json_arg_member(pname, nested[0], "false"))
                 p = json_text.skip_ws(text, nested[1])
                 if text.startswith(syn.param_end, p):
+                    _mark(marks, p, syn.param_end)
                     p += len(syn.param_end)
                 continue
             end = text.find(syn.param_end, body)
             if end < 0:
                 return None
             members.append(param_value_member(pname, text[body:end], kind))
+            _mark(marks, end, syn.param_end)
             p = end + len(syn.param_end)
         calls.append(ToolCall(name=name, arguments=client_arguments(members)))
 

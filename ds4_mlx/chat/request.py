@@ -1,5 +1,7 @@
-"""API request -> rendered prompt: the one function shared by ``ds4-mlx serve`` and
-``ds4-mlx tokenize --messages`` so both prefill exactly the same ids.
+"""API request -> prompt ids: the one renderer shared by ``ds4-mlx serve`` and
+``ds4-mlx tokenize --messages`` so both prefill exactly the same ids (:func:`encode_request`,
+:func:`openai_body_ids`; injection-safe: request text never becomes a control token).  The text
+form (:func:`render_request`) is ds4's rendered string, for text-prefix cache keys and tests.
 
 Also the thinking controls of the request bodies [ds4_server.c parse_thinking_controls]:
 ``thinking`` ({"type":"enabled"|"disabled"} or a bool), ``think`` (bool), ``reasoning_effort``,
@@ -11,8 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from ds4_mlx.chat.pieces import PieceTokenizer
 from ds4_mlx.chat.template import (
     ThinkMode,
+    encode_messages,
     render_messages,
     resolve_think_mode,
     think_mode_from_effort,
@@ -71,18 +75,26 @@ def requested_think_mode(body: Mapping) -> ThinkMode:
 
 def render_request(messages: Sequence[Mapping], tools=None, tool_choice="auto",
                    think: ThinkMode | str = ThinkMode.HIGH, ctx: int = 32768) -> str:
-    """The rendered prompt text for a chat request; ``tool_choice`` "none" drops the tools prompt
-    as ds4 does.  Tokenize with ``Tokenizer.encode_rendered``."""
+    """The rendered prompt text for a chat request (ds4's string, byte for byte); ``tool_choice``
+    "none" drops the tools prompt as ds4 does.  For the ids use :func:`encode_request`, not
+    ``Tokenizer.encode_rendered`` of this text (that lets request text inject control tokens)."""
     if tool_choice == "none":
         tools = None
     return render_messages(messages, tools=tools or None, think=think, ctx=ctx)
 
 
-def openai_body_prompt(body: Mapping, *, ctx: int = 32768, think: ThinkMode | str | None = None
-                       ) -> tuple[str, ThinkMode]:
-    """Rendered prompt and effective thinking mode for an OpenAI chat-completions body
-    (``messages``, ``tools``, ``tool_choice`` and the thinking controls); ``think`` overrides the
-    body's controls."""
+def encode_request(tokenizer: PieceTokenizer, messages: Sequence[Mapping], tools=None,
+                   tool_choice="auto", think: ThinkMode | str = ThinkMode.HIGH,
+                   ctx: int = 32768) -> list[int]:
+    """The prompt ids of :func:`render_request`: template markers as control tokens, request
+    text as plain BPE.  Equal to ``encode_rendered(render_request(...))`` when no request text
+    holds a special string."""
+    if tool_choice == "none":
+        tools = None
+    return encode_messages(tokenizer, messages, tools=tools or None, think=think, ctx=ctx)
+
+
+def _openai_body_args(body: Mapping, ctx: int, think: ThinkMode | str | None):
     if not isinstance(body, Mapping):
         raise ChatError("request body must be a JSON object")
     messages = body.get("messages")
@@ -92,5 +104,21 @@ def openai_body_prompt(body: Mapping, *, ctx: int = 32768, think: ThinkMode | st
     if tools is not None and not isinstance(tools, list):
         raise ChatError("tools must be an array")
     mode = resolve_think_mode(requested_think_mode(body) if think is None else think, ctx)
-    choice = body.get("tool_choice", "auto")
+    return messages, tools, body.get("tool_choice", "auto"), mode
+
+
+def openai_body_prompt(body: Mapping, *, ctx: int = 32768, think: ThinkMode | str | None = None
+                       ) -> tuple[str, ThinkMode]:
+    """Rendered prompt text and effective thinking mode for an OpenAI chat-completions body
+    (``messages``, ``tools``, ``tool_choice`` and the thinking controls); ``think`` overrides the
+    body's controls."""
+    messages, tools, choice, mode = _openai_body_args(body, ctx, think)
     return render_request(messages, tools, choice, mode, ctx), mode
+
+
+def openai_body_ids(tokenizer: PieceTokenizer, body: Mapping, *, ctx: int = 32768,
+                    think: ThinkMode | str | None = None) -> tuple[list[int], ThinkMode]:
+    """The ids ``ds4-mlx serve`` prefills for an OpenAI chat-completions body (see
+    :func:`openai_body_prompt`), and the effective thinking mode."""
+    messages, tools, choice, mode = _openai_body_args(body, ctx, think)
+    return encode_request(tokenizer, messages, tools, choice, mode, ctx), mode

@@ -6,8 +6,12 @@ Two forms exist in ds4 and both are reproduced byte for byte:
   ds4_chat_append_assistant_prefix]: built directly as token ids; system and user text go through
   plain BPE, so special-token strings typed by a user stay ordinary text.
 * Server form [ds4_server.c render_chat_prompt_text]: a rendered string (tool prompt, DSML history,
-  ``<tool_result>`` blocks) that is later tokenized with special-string recognition
-  (``Tokenizer.encode_rendered``).
+  ``<tool_result>`` blocks).  ds4 tokenizes that string with special-string recognition
+  (``Tokenizer.encode_rendered``), so special strings typed in request text become control tokens.
+  The renderers here build typed pieces (``chat/pieces.py``): ``render_*`` join them into ds4's
+  text byte for byte; ``encode_messages`` / ``encode_tail`` / ``encode_assistant_suffix`` give the
+  ids, which equal ds4's whenever the request text holds no special string, and never let request
+  text become a control token.
 """
 
 from __future__ import annotations
@@ -22,10 +26,11 @@ from ds4_mlx.chat.dsml import (
     THINK_CLOSE,
     THINK_OPEN,
     json_dumps_compact,
-    render_tool_calls,
     request_tool_calls,
+    tool_call_pieces,
 )
 from ds4_mlx.chat.messages import ToolCall
+from ds4_mlx.chat.pieces import Piece, PieceTokenizer, ctl, encode_pieces, join, txt
 from ds4_mlx.errors import ChatError
 
 BOS = "<｜begin▁of▁sentence｜>"
@@ -403,7 +408,12 @@ def render_tool_schemas(tools) -> str:
 
 def tools_prompt(schemas: str) -> str:
     """The tools section of the system text, or "" without schemas [append_tools_prompt_text]."""
-    return TOOLS_PROMPT + schemas + TOOLS_SUFFIX if schemas else ""
+    return join(_tools_prompt_pieces(schemas))
+
+
+def _tools_prompt_pieces(schemas: str) -> list[Piece]:
+    # The schemas are the client's JSON: text, even where they spell a marker.
+    return [ctl(TOOLS_PROMPT), txt(schemas), ctl(TOOLS_SUFFIX)] if schemas else []
 
 
 @dataclass(frozen=True)
@@ -443,8 +453,8 @@ def _uses_tool_context(msgs: Sequence[_Msg], schemas: str) -> bool:
     return any((m.role == "assistant" and m.calls) or m.role in ("tool", "function") for m in msgs)
 
 
-def _render_turns(msgs: Sequence[_Msg], start: int, think: bool, keep_reasoning) -> list[str]:
-    out: list[str] = []
+def _render_turns(msgs: Sequence[_Msg], start: int, think: bool, keep_reasoning) -> list[Piece]:
+    out: list[Piece] = []
     pending_assistant = False
     pending_tool_result = False
     for i in range(start, len(msgs)):
@@ -452,25 +462,53 @@ def _render_turns(msgs: Sequence[_Msg], start: int, think: bool, keep_reasoning)
         if _is_system(m.role):
             continue
         if m.role == "user":
-            out += [USER, m.content]
+            out += [ctl(USER), txt(m.content)]
             pending_assistant, pending_tool_result = True, False
         elif m.role in ("tool", "function"):
             if not pending_tool_result:
-                out.append(USER)
-            out += [TOOL_RESULT_OPEN, escape_tool_result(m.content), TOOL_RESULT_CLOSE]
+                out.append(ctl(USER))
+            # The tool_result tags are not special tokens (plain text in the vocabulary); what keeps
+            # the output inside its wrapper is the escaped closing tag, which a plain-text result
+            # can neither spell nor complete (the tag holds a single '<').
+            out += [ctl(TOOL_RESULT_OPEN), txt(escape_tool_result(m.content)), ctl(TOOL_RESULT_CLOSE)]
             pending_assistant = pending_tool_result = True
         elif m.role == "assistant":
             if pending_assistant:
-                out.append(ASSISTANT)
+                out.append(ctl(ASSISTANT))
                 if think and keep_reasoning(i):
-                    out += [THINK_OPEN, m.reasoning, THINK_CLOSE]
+                    out += [ctl(THINK_OPEN), txt(m.reasoning), ctl(THINK_CLOSE)]
                 else:
-                    out.append(THINK_CLOSE)
-            out += [m.content, render_tool_calls([ToolCall(n, a) for n, a in m.calls], m.raw_dsml), EOS]
+                    out.append(ctl(THINK_CLOSE))
+            out.append(txt(m.content))
+            out += tool_call_pieces([ToolCall(n, a) for n, a in m.calls], m.raw_dsml)
+            out.append(ctl(EOS))
             pending_assistant = pending_tool_result = False
         # other roles are ignored, as in ds4
     if pending_assistant:
-        out += [ASSISTANT, THINK_OPEN if think else THINK_CLOSE]
+        out += [ctl(ASSISTANT), ctl(THINK_OPEN if think else THINK_CLOSE)]
+    return out
+
+
+def message_pieces(messages: Sequence[Mapping], tools=None, think: ThinkMode | str = ThinkMode.HIGH,
+                   ctx: int = DEFAULT_CTX) -> list[Piece]:
+    """:func:`render_messages` as typed pieces (markup vs request text)."""
+    mode = resolve_think_mode(think, ctx)
+    msgs = [_normalize(m, i) for i, m in enumerate(messages)]
+    schemas = render_tool_schemas(tools)
+    tool_context = _uses_tool_context(msgs, schemas)
+    # Tool schemas come first so a dynamic tail in the client's system text does not sit in the
+    # middle of the large, cacheable schema block.
+    out = [ctl(BOS), ctl(MAX_EFFORT_PREFIX if mode is ThinkMode.MAX else "")]
+    out += _tools_prompt_pieces(schemas)
+    has_system = bool(schemas)
+    for m in msgs:
+        if _is_system(m.role):
+            if has_system:
+                out.append(ctl("\n\n"))
+            out.append(txt(m.content))
+            has_system = has_system or bool(m.content)
+    last_user = max((i for i, m in enumerate(msgs) if m.role in ("user", "tool", "function")), default=-1)
+    out += _render_turns(msgs, 0, mode.enabled, lambda i: tool_context or i > last_user)
     return out
 
 
@@ -489,20 +527,24 @@ def render_messages(messages: Sequence[Mapping], tools=None, think: ThinkMode | 
     thinking mode, its reasoning in ``<think>…</think>`` if tools are in play or it follows the last
     user/tool message, else just ``</think>`` (old reasoning is dropped).  Consecutive tool results
     share one ``<｜User｜>``.  A trailing user/tool turn gets the assistant prefix."""
+    return join(message_pieces(messages, tools, think, ctx))
+
+
+def encode_messages(tokenizer: PieceTokenizer, messages: Sequence[Mapping], tools=None,
+                    think: ThinkMode | str = ThinkMode.HIGH, ctx: int = DEFAULT_CTX) -> list[int]:
+    """The prompt ids of :func:`render_messages`, injection-safe: template markers are control
+    tokens, request text is plain BPE (a ``<｜Assistant｜>`` typed by a user is text).  Equal to
+    ``tokenizer.encode_rendered(render_messages(...))`` when no request text holds a special
+    string."""
+    return encode_pieces(tokenizer, message_pieces(messages, tools, think, ctx))
+
+
+def tail_pieces(messages: Sequence[Mapping], start: int, think: ThinkMode | str = ThinkMode.HIGH,
+                ctx: int = DEFAULT_CTX) -> list[Piece]:
+    """:func:`render_tail` as typed pieces."""
     mode = resolve_think_mode(think, ctx)
     msgs = [_normalize(m, i) for i, m in enumerate(messages)]
-    schemas = render_tool_schemas(tools)
-    tool_context = _uses_tool_context(msgs, schemas)
-    # Tool schemas come first so a dynamic tail in the client's system text does not sit in the
-    # middle of the large, cacheable schema block.
-    system = tools_prompt(schemas)
-    for m in msgs:
-        if _is_system(m.role):
-            system += ("\n\n" if system else "") + m.content
-    last_user = max((i for i, m in enumerate(msgs) if m.role in ("user", "tool", "function")), default=-1)
-    out = [BOS, MAX_EFFORT_PREFIX if mode is ThinkMode.MAX else "", system]
-    out += _render_turns(msgs, 0, mode.enabled, lambda i: tool_context or i > last_user)
-    return "".join(out)
+    return [ctl(EOS)] + _render_turns(msgs, start, mode.enabled, lambda i: True)
 
 
 def render_tail(messages: Sequence[Mapping], start: int, think: ThinkMode | str = ThinkMode.HIGH,
@@ -510,14 +552,32 @@ def render_tail(messages: Sequence[Mapping], start: int, think: ThinkMode | str 
     """Text to append to a live session whose KV already holds the turns before ``start``
     (typically tool results after a tool-call turn) [render_live_tool_tail]: EOS closing the live
     assistant turn, the new turns, the assistant prefix.  Reasoning is always replayed here."""
-    mode = resolve_think_mode(think, ctx)
-    msgs = [_normalize(m, i) for i, m in enumerate(messages)]
-    return EOS + "".join(_render_turns(msgs, start, mode.enabled, lambda i: True))
+    return join(tail_pieces(messages, start, think, ctx))
+
+
+def encode_tail(tokenizer: PieceTokenizer, messages: Sequence[Mapping], start: int,
+                think: ThinkMode | str = ThinkMode.HIGH, ctx: int = DEFAULT_CTX) -> list[int]:
+    """Injection-safe ids of :func:`render_tail` (see :func:`encode_messages`)."""
+    return encode_pieces(tokenizer, tail_pieces(messages, start, think, ctx))
+
+
+def assistant_suffix_pieces(content: str, reasoning: str | None, tool_calls: Iterable,
+                            think: ThinkMode | str, raw_dsml: str | None = None) -> list[Piece]:
+    """:func:`render_assistant_suffix` as typed pieces."""
+    head = [txt(reasoning or ""), ctl(THINK_CLOSE)] if _as_mode(think).enabled else []
+    return head + [txt(content)] + tool_call_pieces(tool_calls, raw_dsml) + [ctl(EOS)]
 
 
 def render_assistant_suffix(content: str, reasoning: str | None, tool_calls: Iterable,
                             think: ThinkMode | str, raw_dsml: str | None = None) -> str:
     """What follows the prompt's assistant prefix once a turn is done, as the next request will
     render it: [reasoning ``</think>``] content, DSML, EOS [build_tool_checkpoint_suffix]."""
-    head = (reasoning or "") + THINK_CLOSE if _as_mode(think).enabled else ""
-    return head + content + render_tool_calls(tool_calls, raw_dsml) + EOS
+    return join(assistant_suffix_pieces(content, reasoning, tool_calls, think, raw_dsml))
+
+
+def encode_assistant_suffix(tokenizer: PieceTokenizer, content: str, reasoning: str | None,
+                            tool_calls: Iterable, think: ThinkMode | str,
+                            raw_dsml: str | None = None) -> list[int]:
+    """Injection-safe ids of :func:`render_assistant_suffix` (see :func:`encode_messages`)."""
+    return encode_pieces(tokenizer, assistant_suffix_pieces(content, reasoning, tool_calls, think,
+                                                            raw_dsml))

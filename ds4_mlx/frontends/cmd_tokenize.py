@@ -78,13 +78,13 @@ def _read_request(path: str):
 
 def tokenize_request(tok: Tokenizer, args: argparse.Namespace) -> list[int]:
     """The server's renderer (one function shared with ``serve``), then its tokenization."""
-    from ds4_mlx.chat.request import openai_body_prompt
+    from ds4_mlx.chat.request import openai_body_ids
 
     body = _read_request(args.messages)
     # --nothink / --think-max override; otherwise the body's own thinking controls decide
     think = args.think if args.think in ("none", "max") else None
-    text, _ = openai_body_prompt(body, ctx=args.ctx, think=think)
-    return tok.encode_rendered(text)
+    ids, _ = openai_body_ids(tok, body, ctx=args.ctx, think=think)
+    return ids
 
 
 def tokenize_args(tok: Tokenizer, text: str, args: argparse.Namespace) -> list[int]:

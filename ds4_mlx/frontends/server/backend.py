@@ -279,11 +279,10 @@ class EngineBackend(Backend):
         self.model = ds4_mlx.load(self.model_path, numerics=self.numerics)
 
     def _generate(self, req: ChatRequest, cancel: threading.Event) -> Iterator[Event]:
-        from ds4_mlx.chat.request import render_request
+        from ds4_mlx.chat.request import encode_request
 
-        tok = self.model.tokenizer
-        prompt = tok.encode_rendered(render_request(req.messages, req.tools, req.tool_choice,
-                                                    req.think, self.ctx))
+        prompt = encode_request(self.model.tokenizer, req.messages, req.tools, req.tool_choice,
+                                req.think, self.ctx)
         if len(prompt) >= self.ctx:
             raise BackendError(400, f"prompt has {len(prompt)} tokens, context is {self.ctx}",
                                code="context_length_exceeded",
