@@ -36,8 +36,10 @@ and failures come back as values, ``HubError``, and ``DownloadInterrupted`` for 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -365,12 +367,39 @@ def _transfer(t: Target, remote: _Remote, f, have: int, token: str | None, progr
     bounded Range window at a time. The URL names the commit, so every window reads the same file
     even if the branch moves meanwhile."""
     from huggingface_hub import hf_hub_url
-    from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import build_hf_headers
 
     url = hf_hub_url(t.repo, t.filename, revision=remote.commit, endpoint=endpoint)
     headers = build_hf_headers(token=token)
     bar = _bar_class(progress)
+    with _quiet_retries():
+        _transfer_windows(t, remote, f, have, url, headers, bar, endpoint)
+
+
+class _DropRetryWarnings(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno == logging.WARNING and record.getMessage().startswith("Error while downloading"))
+
+
+@contextlib.contextmanager
+def _quiet_retries():
+    """http_get logs a multi-line warning on each dropped connection it retries; a retry that works
+    needs no words, and one that fails becomes our one-line HubError, so these are dropped (only
+    these, only while our transfer runs)."""
+    from huggingface_hub.file_download import logger
+
+    flt = _DropRetryWarnings()
+    logger.addFilter(flt)
+    try:
+        yield
+    finally:
+        logger.removeFilter(flt)
+
+
+def _transfer_windows(t: Target, remote: _Remote, f, have: int, url: str, headers: dict, bar,
+                      endpoint: str | None) -> None:
+    from huggingface_hub.file_download import http_get
+
     while have < remote.size:
         end = min(have + _WINDOW, remote.size)
         # http_get turns resume_size into "Range: bytes=<have>-", keeping the end given here; the last
