@@ -43,6 +43,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -400,6 +401,7 @@ def _transfer_windows(t: Target, remote: _Remote, f, have: int, url: str, header
                       endpoint: str | None) -> None:
     from huggingface_hub.file_download import http_get
 
+    barren = 0  # transport failures in a row that brought no bytes
     while have < remote.size:
         end = min(have + _WINDOW, remote.size)
         # http_get turns resume_size into "Range: bytes=<have>-", keeping the end given here; the last
@@ -408,9 +410,19 @@ def _transfer_windows(t: Target, remote: _Remote, f, have: int, url: str, header
         try:
             http_get(url, f, resume_size=have, headers=window, expected_size=end,
                      displayed_filename=t.filename, tqdm_class=bar)
-        except (KeyboardInterrupt, HubError):
+        except HubError:
             raise
         except Exception as exc:
+            f.flush()
+            now = f.seek(0, os.SEEK_END)
+            # A dropped connection: continue from the bytes kept. http_get does this itself since
+            # huggingface_hub 1.20; older versions raise, and this keeps the run going. Progress resets
+            # the count; a few failures in a row that bring nothing are final.
+            if isinstance(exc, _network_error_types()) and now < end and (now > have or barren < 2):
+                barren = 0 if now > have else barren + 1
+                have = now
+                time.sleep(0 if barren == 0 else 1)
+                continue
             raise _as_hub_error(exc, t, endpoint) from None
         have = f.seek(0, os.SEEK_END)
         if have != end:
