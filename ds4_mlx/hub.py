@@ -443,7 +443,7 @@ def _check_bytes(t: Target, remote: _Remote, f, part: Path, sidecar: Path, progr
     h = hashlib.sha256()
     f.seek(0)
     with _bar_class(progress)(total=size, unit="B", unit_scale=True,
-                              desc=f"checking sha256 ({_gb(size)}, minutes for a large file)") as bar:
+                              desc="checking sha256 (minutes for a large file)") as bar:
         while block := f.read(_HASH_BLOCK):
             h.update(block)
             bar.update(len(block))
