@@ -2,7 +2,7 @@
 
 ds4 publishes its model files in one hub repository (see ds4's ``download_model.sh``); ``TARGETS``
 is that script's table. :func:`download` fetches one of them (or any ``owner/repo/file.gguf``) with
-``huggingface_hub.hf_hub_download``, into a chosen folder (``local_dir``) or the HF cache, and
+huggingface_hub's building blocks, into a chosen folder (``local_dir``) or the HF cache, and
 :func:`resolve_model` turns an ``hf:`` model spec into a local path, downloading only when the file
 is not already there. ``HF_TOKEN``, ``HF_ENDPOINT``, ``HF_HUB_CACHE`` and ``HF_HUB_OFFLINE`` work as
 in every hub client because the hub library reads them.
@@ -11,18 +11,39 @@ Why a metadata request before the download: it is the one place where "no networ
 and "no such file" can be told apart and reported as one clear line, and it gives the file size so
 a download that cannot fit on the disk is refused before it starts (the hub library only warns).
 
-Resuming: the hub library retries a dropped transfer from where it stopped (HTTP Range) inside one
-run, and a completed file is never fetched again; the file only appears under its final name once
-complete, so an interrupted run never leaves a truncated file that looks finished.
+Resuming across runs (ds4's script does ``curl -C -``; an 81 GB transfer cut at 70 GB must not start
+over): ``hf_hub_download`` deletes its uniquely named temporary file when a run fails, so the bytes
+go to our own part file instead, ``<dest>.part``, with a sidecar ``<dest>.part.json`` naming the
+remote file it belongs to (etag, commit, size). The next run asks the hub again and continues the
+part with an HTTP Range request when the etag and size still match, or discards it when the remote
+file changed. The transfer itself is the hub library's ``http_get`` (its session, retries inside a
+run, auth headers from ``build_hf_headers``, so HF_TOKEN and the saved login work as everywhere).
+With ``--dir`` the part sits next to the final file. In the HF cache it is ``blobs/<etag>.part``:
+the etag names the content, so a part can never be continued with another file's bytes, it is on
+the same volume as the finished blob (the final rename is atomic), and deleting the repository from
+the cache (``hf cache delete``) takes it along.
 
-Nothing here prints: results and failures come back as values and ``HubError``.
+Integrity: the finished part is checked before it gets its final name. For LFS files the hub's
+etag is the file's sha256, so the whole file is hashed and compared (minutes for 81 GB); a mismatch
+deletes the part. Files without a sha256 etag get a size check only, and the result says so.
+
+The file only appears under its final name once complete and checked, so an interrupted run never
+leaves a truncated file that looks finished; a completed file is never fetched again.
+
+Nothing here prints except the progress bars asked for with ``progress=True`` (on stderr): results
+and failures come back as values, ``HubError``, and ``DownloadInterrupted`` for Ctrl-C.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import logging
 import os
 import re
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,6 +92,12 @@ DEFAULT_TARGET = "q2-imatrix"
 
 _MTP_MARKER_TENSOR = "mtp.0.e_proj.weight"  # one of the tensors ds4 requires in an MTP file
 _SEGMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+# One HTTP request covers at most this many bytes: huggingface_hub's http_get refuses a plain request
+# for a file over 50 GB (its CDN limit), and a bounded Range is how it expects larger files to be read.
+_WINDOW = 8 * 1000**3
+_HASH_BLOCK = 16 * 1024 * 1024
+_SIDECAR_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -82,6 +109,16 @@ class Download:
     size: int
     fetched: bool  # False when the file was already on disk
     check: str  # what the post-download verification found, one line
+    integrity: str = ""  # how the bytes were checked against the hub (sha256 or size), one line; "" if not fetched now
+
+
+class DownloadInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a download: the part file and its sidecar stay, and the same call resumes them.
+    A KeyboardInterrupt, so code that does not know about it still stops as it would on Ctrl-C."""
+
+    def __init__(self, target: "Target", part: Path, have: int, size: int):
+        super().__init__(f"download of {target.filename} interrupted at {have} of {size} bytes; {part} is kept")
+        self.target, self.part, self.have, self.size = target, part, have, size
 
 
 # -- names ----------------------------------------------------------------------------------------
@@ -134,20 +171,15 @@ def download(target: Target | str, dir: str | os.PathLike | None = None, token: 
     endpoint = endpoint or os.environ.get("HF_ENDPOINT") or None
 
     path = _already_here(t, local_dir)
-    fetched = False
+    fetched, integrity = False, ""
     if path is None:
-        from huggingface_hub import constants as hf_constants
-
         if _offline():
             raise HubError(f"{t.filename} is not on disk and HF_HUB_OFFLINE is set: unset it to download, "
                            f"or download the file elsewhere and pass its path")
-        size = _remote_size(t, token, endpoint)
-        if size is not None:
-            _check_space(size, local_dir if local_dir is not None else Path(hf_constants.HF_HUB_CACHE),
-                         t)
-        path = _fetch(t, local_dir, token, progress, endpoint)
+        remote = _remote(t, token, endpoint)
+        path, integrity = _fetch(t, remote, local_dir, token, progress, endpoint)
         fetched = True
-    return Download(t, path, path.stat().st_size, fetched, verify(path, t))
+    return Download(t, path, path.stat().st_size, fetched, verify(path, t), integrity)
 
 
 def verify(path: str | os.PathLike, target: Target | None = None) -> str:
@@ -193,8 +225,22 @@ def _offline() -> bool:
     return bool(check() if check is not None else hf_constants.HF_HUB_OFFLINE)
 
 
-def _remote_size(t: Target, token: str | None, endpoint: str | None) -> int | None:
-    """The file's size from the hub's metadata (one HEAD request); also where access problems show."""
+@dataclass(frozen=True)
+class _Remote:
+    """The exact remote file a part belongs to: the hub's metadata for it."""
+
+    etag: str  # sha256 for LFS files, git blob sha1 otherwise
+    commit: str
+    size: int
+
+    def matches(self, sidecar: dict) -> bool:
+        # The etag names the content, so a new commit that left this file alone keeps the part valid.
+        return (sidecar.get("version") == _SIDECAR_VERSION and sidecar.get("etag") == self.etag
+                and sidecar.get("size") == self.size)
+
+
+def _remote(t: Target, token: str | None, endpoint: str | None) -> _Remote:
+    """The file's etag, commit and size from the hub (one HEAD request); also where access problems show."""
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
 
     url = hf_hub_url(t.repo, t.filename, endpoint=endpoint)
@@ -202,7 +248,15 @@ def _remote_size(t: Target, token: str | None, endpoint: str | None) -> int | No
         meta = get_hf_file_metadata(url, token=token)
     except Exception as exc:  # every hub or transport failure becomes one clear line
         raise _as_hub_error(exc, t, endpoint) from None
-    return meta.size
+    host = endpoint or os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    missing = [name for name, v in (("ETag", meta.etag), ("X-Repo-Commit", meta.commit_hash), ("size", meta.size))
+               if not v and v != 0]
+    if missing:
+        raise HubError(f"{host} gave no {'/'.join(missing)} for {t.repo}/{t.filename}: it does not answer like a "
+                       f"Hugging Face hub (check HF_ENDPOINT and any proxy)")
+    if not re.fullmatch(r"[0-9A-Za-z._-]{1,128}", meta.etag):  # it becomes a file name in the HF cache
+        raise HubError(f"{host} gave an unusable ETag {meta.etag[:80]!r} for {t.repo}/{t.filename}")
+    return _Remote(meta.etag, meta.commit_hash, int(meta.size))
 
 
 def _check_space(size: int, where: Path, t: Target) -> None:
@@ -214,20 +268,231 @@ def _check_space(size: int, where: Path, t: Target) -> None:
     except OSError:
         return  # cannot tell: let the download try
     if free < size:
-        raise HubError(f"not enough disk space for {t.filename}: it needs {_gb(size)} and {where} has "
+        raise HubError(f"not enough disk space for {t.filename}: it needs {_gb(size)} more and {where} has "
                        f"{_gb(free)} free; free some space or choose another folder with --dir")
 
 
-def _fetch(t: Target, local_dir: Path | None, token: str | None, progress: bool,
-           endpoint: str | None) -> Path:
-    from huggingface_hub import hf_hub_download
+def _fetch(t: Target, remote: _Remote, local_dir: Path | None, token: str | None, progress: bool,
+           endpoint: str | None) -> tuple[Path, str]:
+    """Download into the part file (continuing it when it belongs to ``remote``), check it, and give it
+    its final name. Returns (final path, integrity line)."""
+    from huggingface_hub import constants as hf_constants
 
-    kwargs = {} if progress else {"tqdm_class": _silent_bar_class()}
+    if local_dir is not None:
+        final = local_dir / t.filename
+        blob = final
+    else:  # the HF cache layout: blobs/<etag> holds the bytes, snapshots/<commit>/<file> links to it
+        storage = Path(hf_constants.HF_HUB_CACHE) / ("models--" + t.repo.replace("/", "--"))
+        blob = storage / "blobs" / remote.etag
+        final = storage / "snapshots" / remote.commit / t.filename
+    part = blob.with_name(blob.name + ".part")
+    sidecar = part.with_name(part.name + ".json")
     try:
-        got = hf_hub_download(t.repo, t.filename, local_dir=local_dir, token=token, endpoint=endpoint, **kwargs)
-    except Exception as exc:
-        raise _as_hub_error(exc, t, endpoint) from None
-    return Path(got)
+        part.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise HubError(f"cannot create {part.parent}: {exc.strerror or exc}") from None
+
+    if blob.is_file() and blob.stat().st_size == remote.size:
+        integrity = "already complete in the cache"  # a previous run stopped before linking it
+    else:
+        integrity = _fill_part(t, remote, part, sidecar, token, progress, endpoint)
+        os.replace(part, blob)
+        sidecar.unlink(missing_ok=True)
+    if blob != final:
+        _link_in_cache(blob, final, storage, remote.commit)
+    return final, integrity
+
+
+def _fill_part(t: Target, remote: _Remote, part: Path, sidecar: Path, token: str | None, progress: bool,
+               endpoint: str | None) -> str:
+    """Bring ``part`` to the whole remote file and check it. Holds an exclusive lock on the part so two
+    runs cannot append to it at once."""
+    kept = part.stat().st_size if part.is_file() and remote.matches(_read_sidecar(sidecar)) else 0
+    _check_space(remote.size - min(kept, remote.size), part.parent, t)  # before anything is written
+    try:
+        f = open(part, "a+b")  # append mode: every write lands at the end, where the Range continues
+    except OSError as exc:
+        raise HubError(f"cannot write {part}: {exc.strerror or exc}") from None
+    with f:
+        _lock(f, part, t)
+        have = f.seek(0, os.SEEK_END)
+        if have and (not remote.matches(_read_sidecar(sidecar)) or have > remote.size):
+            # The part is of another version of the file (or of unknown origin): its bytes are useless.
+            f.truncate(0)
+            have = 0
+        _write_sidecar(sidecar, t, remote)
+        try:
+            if have < remote.size:
+                _transfer(t, remote, f, have, token, progress, endpoint)
+            f.flush()
+            integrity = _check_bytes(t, remote, f, part, sidecar, progress)
+        except KeyboardInterrupt:
+            f.flush()
+            raise DownloadInterrupted(t, part, f.seek(0, os.SEEK_END), remote.size) from None
+    return integrity
+
+
+def _lock(f, part: Path, t: Target) -> None:
+    try:
+        import fcntl
+    except ImportError:  # no advisory locks on this platform: one download at a time is then up to the user
+        return
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        raise HubError(f"another download of {t.filename} is writing {part}: wait for it to finish") from None
+
+
+def _read_sidecar(sidecar: Path) -> dict:
+    try:
+        data = json.loads(sidecar.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_sidecar(sidecar: Path, t: Target, remote: _Remote) -> None:
+    data = {"version": _SIDECAR_VERSION, "repo": t.repo, "filename": t.filename, "etag": remote.etag,
+            "commit": remote.commit, "size": remote.size}
+    tmp = sidecar.with_name(sidecar.name + ".tmp")
+    try:
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
+        os.replace(tmp, sidecar)
+    except OSError as exc:
+        raise HubError(f"cannot write {sidecar}: {exc.strerror or exc}") from None
+
+
+def _transfer(t: Target, remote: _Remote, f, have: int, token: str | None, progress: bool,
+              endpoint: str | None) -> None:
+    """Append bytes ``have..size`` of the remote file to ``f`` with the hub library's http_get, one
+    bounded Range window at a time. The URL names the commit, so every window reads the same file
+    even if the branch moves meanwhile."""
+    from huggingface_hub import hf_hub_url
+    from huggingface_hub.utils import build_hf_headers
+
+    url = hf_hub_url(t.repo, t.filename, revision=remote.commit, endpoint=endpoint)
+    headers = build_hf_headers(token=token)
+    bar = _bar_class(progress)
+    with _quiet_retries():
+        _transfer_windows(t, remote, f, have, url, headers, bar, endpoint)
+
+
+class _DropRetryWarnings(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno == logging.WARNING and record.getMessage().startswith("Error while downloading"))
+
+
+@contextlib.contextmanager
+def _quiet_retries():
+    """http_get logs a multi-line warning on each dropped connection it retries; a retry that works
+    needs no words, and one that fails becomes our one-line HubError, so these are dropped (only
+    these, only while our transfer runs)."""
+    from huggingface_hub.file_download import logger
+
+    flt = _DropRetryWarnings()
+    logger.addFilter(flt)
+    try:
+        yield
+    finally:
+        logger.removeFilter(flt)
+
+
+def _transfer_windows(t: Target, remote: _Remote, f, have: int, url: str, headers: dict, bar,
+                      endpoint: str | None) -> None:
+    from huggingface_hub.file_download import http_get
+
+    barren = 0  # transport failures in a row that brought no bytes
+    while have < remote.size:
+        end = min(have + _WINDOW, remote.size)
+        # http_get turns resume_size into "Range: bytes=<have>-", keeping the end given here; the last
+        # window is open-ended like curl -C -, and a window starting at 0 covering the file is a plain GET.
+        window = dict(headers) if end == remote.size else {**headers, "Range": f"bytes=0-{end - 1}"}
+        try:
+            http_get(url, f, resume_size=have, headers=window, expected_size=end,
+                     displayed_filename=t.filename, tqdm_class=bar)
+        except HubError:
+            raise
+        except Exception as exc:
+            f.flush()
+            now = f.seek(0, os.SEEK_END)
+            # A dropped connection: continue from the bytes kept. http_get does this itself since
+            # huggingface_hub 1.20; older versions raise, and this keeps the run going. Progress resets
+            # the count; a few failures in a row that bring nothing are final.
+            if isinstance(exc, _network_error_types()) and now < end and (now > have or barren < 2):
+                barren = 0 if now > have else barren + 1
+                have = now
+                time.sleep(0 if barren == 0 else 1)
+                continue
+            raise _as_hub_error(exc, t, endpoint) from None
+        have = f.seek(0, os.SEEK_END)
+        if have != end:
+            raise HubError(f"download of {t.repo}/{t.filename} stopped at byte {have} instead of {end}: "
+                           f"run the same command again to resume")
+
+
+def _check_bytes(t: Target, remote: _Remote, f, part: Path, sidecar: Path, progress: bool) -> str:
+    """Compare the finished part with the hub's etag (its sha256 for LFS files) before it is renamed.
+    A mismatch deletes the part: resuming it could never give the right file."""
+    size = f.seek(0, os.SEEK_END)
+    if size != remote.size:
+        _discard(part, sidecar)
+        raise HubError(f"{t.filename}: downloaded {size} bytes but the hub says {remote.size}; the partial "
+                       f"file was deleted, run the same command again to download it afresh")
+    if not _SHA256.fullmatch(remote.etag):
+        return f"size matches the hub's ({remote.size} bytes); the hub gives no sha256 for this file (not LFS)"
+    h = hashlib.sha256()
+    f.seek(0)
+    with _bar_class(progress)(total=size, unit="B", unit_scale=True,
+                              desc="checking sha256 (minutes for a large file)") as bar:
+        while block := f.read(_HASH_BLOCK):
+            h.update(block)
+            bar.update(len(block))
+    if h.hexdigest() != remote.etag:
+        _discard(part, sidecar)
+        raise HubError(f"{t.filename}: sha256 {h.hexdigest()[:16]}... does not match the hub's "
+                       f"{remote.etag[:16]}...; the corrupt partial file was deleted, run the same command "
+                       f"again to download it afresh")
+    return f"sha256 matches the hub's ({remote.etag})"
+
+
+def _discard(part: Path, sidecar: Path) -> None:
+    part.unlink(missing_ok=True)
+    sidecar.unlink(missing_ok=True)
+
+
+def _link_in_cache(blob: Path, pointer: Path, storage: Path, commit: str) -> None:
+    """Make the finished blob visible the way every hub client looks for it: the snapshot link and the
+    ref of the branch we resolved (``main``), as in the hub library's cache layout."""
+    try:
+        pointer.parent.mkdir(parents=True, exist_ok=True)
+        if not pointer.exists():
+            try:
+                pointer.unlink(missing_ok=True)  # a dangling link left by a deleted blob
+                pointer.symlink_to(os.path.relpath(blob, pointer.parent))
+            except OSError:  # no symlinks here: the snapshot holds the file itself
+                os.replace(blob, pointer)
+        ref = storage / "refs" / "main"
+        ref.parent.mkdir(parents=True, exist_ok=True)
+        ref.write_text(commit)
+    except OSError as exc:
+        raise HubError(f"cannot place the finished file in the HF cache at {pointer}: {exc.strerror or exc}") \
+            from None
+
+
+def _bar_class(progress: bool):
+    """The progress bar class for http_get and the sha256 check: the hub library's own bar (it honours
+    HF_HUB_DISABLE_PROGRESS_BARS) that clears itself when done, so the window bars follow each other
+    on one line; or one that never draws."""
+    if not progress:
+        return _silent_bar_class()
+    from huggingface_hub.utils import tqdm as hf_tqdm
+
+    class Bar(hf_tqdm):
+        def __init__(self, *args, **kwargs):
+            kwargs["leave"] = False
+            super().__init__(*args, **kwargs)
+
+    return Bar
 
 
 def _silent_bar_class():
@@ -311,5 +576,5 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:.1f} GB"
 
 
-__all__ = ["TARGETS", "DEFAULT_TARGET", "Target", "Download", "parse_target", "resolve_model", "download",
-           "verify"]
+__all__ = ["TARGETS", "DEFAULT_TARGET", "Target", "Download", "DownloadInterrupted", "parse_target",
+           "resolve_model", "download", "verify"]

@@ -6,7 +6,10 @@ files as preferred, and the 2-bit one runs on 96-128 GB machines, the widest aud
 with 256 GB or more should ask for q4-imatrix.
 
 Without --dir the file goes to the Hugging Face cache (HF_HUB_CACHE, shared with every hub client);
-a finished file is never fetched again. HF_TOKEN (or --token) is used for access; HF_ENDPOINT
+a finished file is never fetched again. An interrupted download (Ctrl-C, a dropped connection)
+resumes where it stopped when the same command runs again: the bytes so far are kept in
+FILE.part next to the destination (blobs/ETAG.part in the cache) until the file is complete and its
+sha256 matches the hub's; a part of a file that changed on the hub since is discarded. HF_TOKEN (or --token) is used for access; HF_ENDPOINT
 selects a mirror; HF_HUB_OFFLINE=1 forbids the network. A progress bar is drawn on a terminal
 only. On success the final path and the command to run next are printed on stdout.
 """
@@ -16,7 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ds4_mlx.hub import DEFAULT_TARGET, TARGETS, download
+from ds4_mlx.hub import DEFAULT_TARGET, TARGETS, DownloadInterrupted, download
 
 
 def register(subparsers) -> None:
@@ -38,13 +41,19 @@ def run(args: argparse.Namespace) -> int:
     try:
         # Progress goes to stderr and only on a terminal: a piped run prints just the result lines.
         result = download(args.target, dir=args.dir, token=args.token, progress=sys.stderr.isatty())
+    except DownloadInterrupted as exc:
+        print(f"ds4-mlx download: interrupted at {_size(exc.have)} of {_size(exc.size)}; kept in {exc.part}: "
+              f"run the same command again to resume", file=sys.stderr)
+        return 130
     except KeyboardInterrupt:
-        print("ds4-mlx download: interrupted before the file was complete (nothing was left under its "
-              "final name); run the same command again", file=sys.stderr)
+        print("ds4-mlx download: interrupted before the transfer started; run the same command again",
+              file=sys.stderr)
         return 130
     t = result.target
     out.write(f"{'downloaded' if result.fetched else 'already downloaded'}: {result.path} "
               f"({_size(result.size)})\n")
+    if result.integrity:
+        out.write(f"checked: {result.integrity}\n")
     out.write(f"verified: {result.check}\n")
     if t.kind == "mtp":
         out.write("MTP is an optional speculative-decoding component for the q2/q4 models; "
