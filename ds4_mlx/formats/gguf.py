@@ -29,6 +29,7 @@ from typing import Any, overload
 import numpy as np
 
 from ds4_mlx.errors import GGUFError
+from ds4_mlx.formats import mapping_guard
 from ds4_mlx.formats.ggml_types import BLOCK_GEOMETRY, GGMLType
 
 GGUF_MAGIC = b"GGUF"
@@ -450,6 +451,7 @@ class GGUFFile:
         self.path = str(path)
         self._mm = None
         self._fh = None
+        self._guarded = False
         try:
             self._fh = open(self.path, "rb")
         except OSError as exc:
@@ -598,13 +600,14 @@ class GGUFFile:
             cur.fail(f"{what}: arrays nested deeper than {MAX_NESTING} levels")
         sub = self._value_type(cur, cur.u32(f"{what} array element type"), f"{what} array element")
         count = cur.u64(f"{what} array length")
+        # Bounded by the bytes left before anything is allocated or looped over; strings and nested
+        # arrays take at least 8 bytes per element (a length, or a type and a count).
+        cur.need(count * (_NUMPY[sub].itemsize if sub in _NUMPY else 8), f"{what} array of {count} {sub.name}")
         limit = KNOWN_ARRAY_LIMITS.get(key) if depth == 0 else None
         if limit is not None and count > limit:
             cur.fail(f"{what} declares {count} elements, more than the {limit} allowed for this key", cur.pos - 8)
-        # Bounded by the bytes left before anything is allocated or looped over.
         if sub in _NUMPY:
             dt = _NUMPY[sub]
-            cur.need(count * dt.itemsize, f"{what} array of {count} {sub.name}")
             arr = np.frombuffer(self._mm, dtype=dt, count=count, offset=cur.pos)
             if sub == ValueType.BOOL:
                 for k in range(0, count, _UTF8_CHUNK):  # in runs: no temporary as large as the array
@@ -619,8 +622,6 @@ class GGUFFile:
             out = arr.tolist()
             del arr  # drop the buffer export so close() can unmap
             return out, sub
-        # Strings and nested arrays take at least 8 bytes per element (a length or a type+count).
-        cur.need(count * 8, f"{what} array of {count} {sub.name}")
         if sub == ValueType.STRING:
             strings = cur.string_array(count, what)
             # short nested arrays stay plain lists (rare and small; consumers walk them as lists)
@@ -681,7 +682,35 @@ class GGUFFile:
     def closed(self) -> bool:
         return self._mm is None
 
+    def check_intact(self) -> None:
+        """Raise GGUFError naming the file if it shrank since it was opened.
+
+        Reading a mapped page past the new end of a truncated file kills the process with SIGBUS,
+        which nothing in Python can catch; this ``fstat`` is cheap enough to call before each batch
+        of weight reads (each layer), so truncation between reads is a clean error instead. The
+        file being cut during a read remains a race: see ``mapping_guard``."""
+        fh = self._fh
+        if fh is None:
+            return
+        try:
+            now = os.fstat(fh.fileno()).st_size
+        except (OSError, ValueError) as exc:
+            raise GGUFError(f"cannot check the file is still intact: {exc}", path=self.path) from None
+        if now < self.file_size:
+            raise GGUFError(f"the file shrank from {self.file_size:,} to {now:,} bytes while in use (truncated "
+                            f"or rewritten in place); its tensors can no longer be read", path=self.path)
+
+    def guard(self) -> bool:
+        """Have a SIGBUS from this file's mapping (the file truncated during a read) end the process
+        with one line naming the file (``mapping_guard``). True when the guard runs."""
+        if not self._guarded and self._mm is not None:
+            self._guarded = mapping_guard.watch(self)
+        return self._guarded
+
     def close(self) -> None:
+        if self._guarded:
+            self._guarded = False
+            mapping_guard.forget(self)
         mm = self._mm
         if mm is not None:
             self._mm = None
