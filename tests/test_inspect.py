@@ -196,3 +196,19 @@ def test_unprintable_characters_are_escaped(tmp_path, capsys):
     info = json.loads(out)  # and still exact
     assert "evil\x1b[2J\x07key" in info["metadata"] and info["tensors"][0]["name"] == "t\x1b[31mred\r"
     assert info["metadata"]["name\\path"]["value"] == "x\x1b]0;title\x07 \u202egnp.exe"
+
+
+def test_long_nested_arrays_read_in_place_are_summarized(tmp_path, capsys):
+    from ds4_mlx.formats.gguf import LAZY_ARRAY_MIN
+
+    n = LAZY_ARRAY_MIN + 1
+    p = tmp_path / "nested.gguf"
+    inner = struct.pack("<IQ", 0, n) + bytes(range(256)) * (n // 256) + b"\x07" * (n % 256)  # u8[n]
+    kv = _s(b"nested") + struct.pack("<IIQ", 9, 9, 1) + inner
+    p.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + kv)
+    rc, out, _ = _run(capsys, p, "--json")
+    summary = json.loads(out)["metadata"]["nested"]
+    assert rc == 1 and summary["count"] == 1 and summary["head"][0]["count"] == n
+    assert summary["head"][0]["head"] == list(range(8)) and summary["head"][0]["truncated"] is True
+    rc, out, _ = _run(capsys, p)
+    assert rc == 1 and f"ARRAY[1]       [[0, 1, 2, 3, 4, 5, 6, 7, ... ({n - 8} more)]]" in out

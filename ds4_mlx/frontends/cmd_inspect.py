@@ -13,6 +13,7 @@ import importlib
 import json
 import math
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from ds4_mlx.errors import LayoutError
@@ -107,7 +108,9 @@ def _field_summary(fl: MetadataField) -> dict[str, Any]:
 
 def _array_summary(values: list) -> dict[str, Any]:
     shown = values if len(values) <= ARRAY_FULL else values[:ARRAY_HEAD]
-    head = [_array_summary(v) if isinstance(v, list) else _json_scalar(v) for v in shown]
+    # a nested array is a list, or (when long) a StringArray / NumericArray read in place
+    head = [_array_summary(v) if isinstance(v, Sequence) and not isinstance(v, str) else _json_scalar(v)
+            for v in shown]
     return {"count": len(values), "head": head, "truncated": len(shown) < len(values)}
 
 
