@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import struct
 import subprocess
 import sys
 import types
@@ -146,3 +147,68 @@ def test_blas_status_is_reported_when_available(small_model_path, capsys, monkey
     monkeypatch.setitem(sys.modules, "ds4_mlx.blas", None)  # as if the module did not exist
     rc, out, _ = _run(capsys, small_model_path, "--json")
     assert rc == 0 and json.loads(out)["blas"] is None
+
+
+# -- hostile files (issue #8, 6d): output linear in the file, nothing unprintable reaches the terminal
+
+
+def _s(raw: bytes) -> bytes:
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _hostile_gguf(path, keys: list[bytes], strings: dict[bytes, bytes], tensor_name: bytes) -> int:
+    """A GGUF (no DS4 layout) with u32 keys ``keys``, string keys ``strings`` and one F32 [1] tensor."""
+    kvs = [_s(k) + struct.pack("<II", 4, 7) for k in keys]
+    kvs += [_s(k) + struct.pack("<I", 8) + _s(v) for k, v in strings.items()]
+    head = b"GGUF" + struct.pack("<IQQ", 3, 1, len(kvs)) + b"".join(kvs)
+    head += _s(tensor_name) + struct.pack("<IQIQ", 1, 1, 0, 0)  # 1 dim of 1, F32, offset 0
+    head += b"\0" * (-len(head) % 32)
+    path.write_bytes(head + struct.pack("<f", 1.0))
+    return len(head) + 4
+
+
+def test_one_huge_key_keeps_the_text_report_linear(tmp_path, capsys):
+    """Padding every line to the longest key made a 480 KB file print 2 GB."""
+    p = tmp_path / "wide.gguf"
+    size = _hostile_gguf(p, [b"k%d" % i for i in range(200)] + [b"K" * 200_000], {b"s": b"v" * 100_000},
+                         b"T" * 100_000)
+    rc, out, err = _run(capsys, p)
+    assert rc == 1 and err == "" and "layout: INVALID" in out
+    assert len(out) <= 2 * size, (len(out), size)
+    assert "K" * 160 + "... (200000 chars)" in out and "T" * 160 + "... (100000 chars)" in out
+    assert "'" + "v" * 120 + "'... (100000 chars)" in out
+    assert max(len(line) for line in out.splitlines() if line.startswith("  k")) < 100
+
+
+def test_unprintable_characters_are_escaped(tmp_path, capsys):
+    p = tmp_path / "esc.gguf"
+    _hostile_gguf(p, [b"evil\x1b[2J\x07key", "bidi\u202eyek".encode()],
+                  {b"name\\path": "x\x1b]0;title\x07 \u202egnp.exe".encode(), b"s": "\x00\u2028".encode()},
+                  b"t\x1b[31mred\r")
+    rc, out, _ = _run(capsys, p)
+    assert rc == 1
+    for raw in ("\x1b", "\x07", "\u202e", "\r", "\x00", "\u2028"):
+        assert raw not in out, repr(raw)
+    assert "evil\\x1b[2J\\x07key" in out and "bidi\\u202eyek" in out and "name\\\\path" in out
+    assert "t\\x1b[31mred\\r" in out and "'x\\x1b]0;title\\x07 \\u202egnp.exe'" in out
+    rc, out, _ = _run(capsys, p, "--json")
+    assert all(ch == "\n" or " " <= ch < "\x7f" for ch in out), "JSON output is printable ASCII"
+    info = json.loads(out)  # and still exact
+    assert "evil\x1b[2J\x07key" in info["metadata"] and info["tensors"][0]["name"] == "t\x1b[31mred\r"
+    assert info["metadata"]["name\\path"]["value"] == "x\x1b]0;title\x07 \u202egnp.exe"
+
+
+def test_long_nested_arrays_read_in_place_are_summarized(tmp_path, capsys):
+    from ds4_mlx.formats.gguf import LAZY_ARRAY_MIN
+
+    n = LAZY_ARRAY_MIN + 1
+    p = tmp_path / "nested.gguf"
+    inner = struct.pack("<IQ", 0, n) + bytes(range(256)) * (n // 256) + b"\x07" * (n % 256)  # u8[n]
+    kv = _s(b"nested") + struct.pack("<IIQ", 9, 9, 1) + inner
+    p.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + kv)
+    rc, out, _ = _run(capsys, p, "--json")
+    summary = json.loads(out)["metadata"]["nested"]
+    assert rc == 1 and summary["count"] == 1 and summary["head"][0]["count"] == n
+    assert summary["head"][0]["head"] == list(range(8)) and summary["head"][0]["truncated"] is True
+    rc, out, _ = _run(capsys, p)
+    assert rc == 1 and f"ARRAY[1]       [[0, 1, 2, 3, 4, 5, 6, 7, ... ({n - 8} more)]]" in out

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ds4_mlx.errors import LayoutError
 
@@ -29,6 +30,7 @@ FIXED_FLOATS = {
     "hyper_connection.epsilon": 1e-6,
 }
 FIXED_ROPE_ORIG_CTX = 65536
+MAX_PER_LAYER_ARRAY = 1024  # entries of a per-layer array (compress_ratios, swiglu_clamp_exp)
 FIXED_SWIGLU_CLAMP = 10.0
 
 # The real DeepSeek V4 Flash shape: enforced when a file claims to be that model (43 layers).
@@ -56,6 +58,51 @@ REAL_FLASH = {
     "n_hc": 4,
     "hc_sinkhorn_iter": 20,
 }
+
+
+# Allowed range of every integer key (without the "deepseek4." prefix), checked before anything is
+# sized from it: generous above the real model (its value is in REAL_FLASH / REAL_OTHER) so variants
+# and test models pass, tight enough that no value can make a buffer absurd (a sliding_window of
+# 2^31-1 used to reach mx.zeros and segfault). Keys ds4 pins to one value are still checked for it
+# afterwards, with their own message.
+INT_RANGES: dict[str, tuple[int, int]] = {
+    "block_count": (1, 1024),
+    "embedding_length": (1, 65536),
+    "vocab_size": (1, 1 << 21),
+    "attention.head_count": (1, 1024),
+    "attention.head_count_kv": (1, 1024),
+    "attention.key_length": (1, 8192),
+    "attention.value_length": (1, 8192),
+    "rope.dimension_count": (1, 8192),
+    "attention.q_lora_rank": (1, 65536),
+    "attention.output_lora_rank": (1, 65536),
+    "attention.output_group_count": (1, 1024),
+    "expert_count": (1, 4096),
+    "expert_used_count": (1, 256),
+    "expert_shared_count": (1, 64),
+    "expert_feed_forward_length": (1, 65536),
+    "hash_layer_count": (0, 1024),
+    "attention.sliding_window": (1, 16384),
+    "attention.indexer.head_count": (1, 1024),
+    "attention.indexer.key_length": (1, 8192),
+    "attention.indexer.top_k": (1, 65536),
+    "hyper_connection.count": (1, 64),
+    "hyper_connection.sinkhorn_iterations": (1, 256),
+    "context_length": (1, 1 << 24),
+    "rope.scaling.original_context_length": (1, 1 << 24),
+    "expert_group_count": (0, 1024),
+    "expert_group_used_count": (0, 1024),
+}
+# The real model's value of the keys REAL_FLASH does not name by key, for the range messages.
+REAL_OTHER = {"context_length": 1048576, "rope.scaling.original_context_length": 65536,
+              "expert_group_count": 0, "expert_group_used_count": 0}
+# Products that size buffers, each bounded so a file whose every value is in range still cannot ask
+# for an absurd allocation: (description, factors as ModelConfig fields, limit in elements).
+PRODUCT_LIMITS = (
+    ("sliding-window KV rows of all layers", ("n_layer", "n_swa", "head_dim"), 1 << 31),
+    ("per-query attention keys x heads x key_length", ("n_head", "head_dim", "_keys_per_query"), 1 << 31),
+    ("KV cache at the full context", ("context_length", "head_dim", "n_layer"), 1 << 40),
+)
 
 
 def ds4_compress_ratio(il: int) -> int:
@@ -166,6 +213,15 @@ class ModelConfig:
             raise LayoutError(f"{source}: general.architecture is {_short(arch)}, expected {ARCH!r}")
 
         def get(key: str, kind: type, default: Any = None, required: bool = True):
+            v = _get(key, kind, default, required)
+            if kind is int and key in INT_RANGES:
+                lo, hi = INT_RANGES[key]
+                if not lo <= v <= hi:
+                    raise LayoutError(f"{source}: metadata '{ARCH}.{key}' is {v}, outside the allowed range "
+                                      f"{lo}..{hi} ({_real_value(key)})")
+            return v
+
+        def _get(key: str, kind: type, default: Any, required: bool):
             full = f"{ARCH}.{key}"
             if full not in md:
                 if required:
@@ -185,13 +241,15 @@ class ModelConfig:
                 if not isinstance(v, bool):
                     raise LayoutError(f"{source}: metadata {full!r} must be a bool, found {_short(v)}")
             elif kind is list:
-                if not isinstance(v, list):
+                # a numeric array can be a lazy ``NumericArray`` (long ones are not made into lists)
+                if isinstance(v, (str, bytes)) or not isinstance(v, Sequence):
                     raise LayoutError(f"{source}: metadata {full!r} must be an array, found {type(v).__name__}")
+                if len(v) > MAX_PER_LAYER_ARRAY:
+                    raise LayoutError(f"{source}: metadata {full!r} has {len(v)} entries, more than "
+                                      f"{MAX_PER_LAYER_ARRAY} (one per layer at most)")
             return v
 
         n_layer = get("block_count", int)
-        if n_layer < 1 or n_layer > 1024:
-            raise LayoutError(f"{source}: deepseek4.block_count {n_layer} is out of range 1..1024")
 
         ratios = get("attention.compress_ratios", list)
         if len(ratios) < n_layer:
@@ -272,9 +330,21 @@ class ModelConfig:
         cfg._check_shapes(source)
         return cfg
 
+    @property
+    def _keys_per_query(self) -> int:
+        """Most keys one query attends: the window plus the indexer's selection."""
+        return self.n_swa + self.indexer_top_k
+
     def _check_shapes(self, source: str) -> None:
         def bad(msg: str):
             raise LayoutError(f"{source}: {msg}")
+
+        for what, factors, limit in PRODUCT_LIMITS:
+            n = math.prod(getattr(self, f) for f in factors)
+            if n > limit:
+                shown = " x ".join(f"{f.lstrip('_')} {getattr(self, f)}" for f in factors)
+                bad(f"{what} would need {shown} = {n:,} elements, more than the sanity limit {limit:,} "
+                    f"(corrupt metadata?)")
 
         for name in ("n_embd", "n_vocab", "n_head", "head_dim", "n_rot", "q_lora_rank", "o_lora_rank",
                      "n_out_group", "n_expert", "n_expert_used", "n_ff_exp", "n_swa", "n_hc",
@@ -310,6 +380,25 @@ class ModelConfig:
                 if getattr(self, name) != want:
                     bad(f"file claims the real DS4 Flash ({self.n_layer} layers) but {name} is "
                         f"{getattr(self, name)}, expected {want}")
+
+
+_ATTR_OF_KEY = {
+    "block_count": "n_layer", "embedding_length": "n_embd", "vocab_size": "n_vocab", "attention.head_count": "n_head",
+    "attention.head_count_kv": "n_head_kv", "attention.key_length": "head_dim", "attention.value_length": "value_dim",
+    "rope.dimension_count": "n_rot", "attention.q_lora_rank": "q_lora_rank",
+    "attention.output_lora_rank": "o_lora_rank", "attention.output_group_count": "n_out_group",
+    "expert_count": "n_expert", "expert_used_count": "n_expert_used", "expert_shared_count": "n_expert_shared",
+    "expert_feed_forward_length": "n_ff_exp", "hash_layer_count": "n_hash_layer",
+    "attention.sliding_window": "n_swa", "attention.indexer.head_count": "n_indexer_head",
+    "attention.indexer.key_length": "indexer_head_dim", "attention.indexer.top_k": "indexer_top_k",
+    "hyper_connection.count": "n_hc", "hyper_connection.sinkhorn_iterations": "hc_sinkhorn_iter",
+}
+
+
+def _real_value(key: str) -> str:
+    attr = _ATTR_OF_KEY.get(key)
+    real = REAL_FLASH[attr] if attr is not None else REAL_OTHER.get(key)
+    return f"DS4 Flash has {real:,}" if real is not None else "no DS4 Flash value"
 
 
 def _short(v: Any, limit: int = 96) -> str:

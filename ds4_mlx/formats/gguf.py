@@ -29,6 +29,7 @@ from typing import Any, overload
 import numpy as np
 
 from ds4_mlx.errors import GGUFError
+from ds4_mlx.formats import mapping_guard
 from ds4_mlx.formats.ggml_types import BLOCK_GEOMETRY, GGMLType
 
 GGUF_MAGIC = b"GGUF"
@@ -36,6 +37,23 @@ GGUF_VERSION = 3
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # GGML_MAX_DIMS; ggml and gguf-py refuse more
 MAX_NESTING = 8  # array-of-array depth; ds4 refuses deeper nesting too
+
+# Arrays longer than this are not turned into Python lists: a numeric one becomes a ``NumericArray``
+# (a view of the file), a nested string array a ``StringArray``. As lists, a 100 MB array cost 2.1 GB
+# of Python objects; shorter ones cost at most tens of MB. It is above every tokenizer cap below, so
+# the arrays a model needs (token types: 129,280 in DS4 Flash) are still plain lists.
+LAZY_ARRAY_MIN = 1 << 21
+# Element counts of the arrays a model needs, refused beyond a generous cap as soon as the count is
+# read, before anything is allocated (DS4 Flash: 129,280 tokens and types, 127,741 merges).
+KNOWN_ARRAY_LIMITS = {
+    "tokenizer.ggml.tokens": 1 << 21,
+    "tokenizer.ggml.token_type": 1 << 21,
+    "tokenizer.ggml.scores": 1 << 21,
+    "tokenizer.ggml.merges": 1 << 21,
+}
+# Arrays of arrays become one Python list per element (~60 bytes for a 12-byte empty array in the
+# file); no GGUF a model uses has them, so their element count is capped.
+MAX_NESTED_ARRAYS = 1 << 16
 
 # Smallest possible encodings, used to reject impossible counts before looping over them:
 # a KV entry is key length (8) + value type (4) + at least one value byte; a tensor info is
@@ -257,6 +275,56 @@ class StringArray(Sequence[str]):
         return f"StringArray([{head}{', ...' if len(self) > 3 else ''}], {len(self)} strings)"
 
 
+class NumericArray(Sequence):
+    """A long numeric GGUF array read in place: a read-only ``Sequence`` of Python numbers backed by
+    a numpy view of the mapping, so opening a file with a huge array costs no memory. Compares equal
+    to a list of the same values; slicing returns a list; ``numpy()`` gives the (read-only) view.
+    Like a tensor view, it stays readable after ``GGUFFile.close()``."""
+
+    __slots__ = ("_arr",)
+
+    def __init__(self, arr: np.ndarray):
+        self._arr = arr
+
+    def __len__(self) -> int:
+        return len(self._arr)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self._arr[index].tolist()
+        i = operator.index(index)
+        n = len(self._arr)
+        if not -n <= i < n:
+            raise IndexError(f"NumericArray index {index} out of range for {n} values")
+        return self._arr[i].item()
+
+    def __iter__(self) -> Iterator:
+        for k in range(0, len(self._arr), _RUN):
+            yield from self._arr[k : k + _RUN].tolist()
+
+    def numpy(self) -> np.ndarray:
+        return self._arr
+
+    def tolist(self) -> list:
+        return self._arr.tolist()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, NumericArray):
+            return len(self) == len(other) and bool(np.array_equal(self._arr, other._arr))
+        if isinstance(other, list):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __reduce__(self):
+        return (list, (self.tolist(),))
+
+    def __repr__(self) -> str:
+        head = ", ".join(repr(v) for v in self[:3])
+        return f"NumericArray([{head}, ...], {len(self)} {self._arr.dtype.name})"
+
+
 # String arrays are checked and copied a run of elements at a time, runs of about this many bytes
 # or elements: every temporary stays well under the allocator's mmap threshold, so none lingers.
 _UTF8_CHUNK = 1 << 16
@@ -372,7 +440,9 @@ class GGUFFile:
 
     ``metadata`` maps keys to Python values (scalars as int/float/bool/str, arrays as lists, nested
     arrays as nested lists), except that a top-level string array is a ``StringArray`` (a lazily
-    decoded ``Sequence[str]`` that equals the list of its strings); ``fields`` keeps each key's
+    decoded ``Sequence[str]`` that equals the list of its strings), and any array of more than
+    ``LAZY_ARRAY_MIN`` elements is a ``StringArray`` or ``NumericArray`` read in place (so a huge
+    array costs no memory); ``fields`` keeps each key's
     declared GGUF types and byte offsets; ``tensors`` is the ordered tensor directory. Numeric
     arrays are also reachable without a copy through ``metadata_array``.
     """
@@ -381,6 +451,7 @@ class GGUFFile:
         self.path = str(path)
         self._mm = None
         self._fh = None
+        self._guarded = False
         try:
             self._fh = open(self.path, "rb")
         except OSError as exc:
@@ -436,7 +507,7 @@ class GGUFFile:
                 cur.fail(f"duplicate metadata key {_q(key)} (first at byte offset {self.fields[key].offset})", start)
             vtype = self._value_type(cur, cur.u32(f"type of metadata {_q(key)}"), f"metadata {_q(key)}")
             value_start = cur.pos
-            value, sub = self._read_value(cur, vtype, f"metadata {_q(key)}", depth=0)
+            value, sub = self._read_value(cur, vtype, f"metadata {_q(key)}", depth=0, key=key)
             if vtype == ValueType.ARRAY:
                 value_start += 12  # skip the element type and count
             self.fields[key] = MetadataField(key, vtype, sub, value, start, value_start)
@@ -514,7 +585,7 @@ class GGUFFile:
         except ValueError:
             cur.fail(f"{what} has unknown value type {raw}", cur.pos - 4)
 
-    def _read_value(self, cur: _Cursor, vtype: ValueType, what: str, depth: int):
+    def _read_value(self, cur: _Cursor, vtype: ValueType, what: str, depth: int, key: str = ""):
         if vtype == ValueType.STRING:
             return cur.string(f"{what} string"), None
         if vtype != ValueType.ARRAY:
@@ -529,27 +600,34 @@ class GGUFFile:
             cur.fail(f"{what}: arrays nested deeper than {MAX_NESTING} levels")
         sub = self._value_type(cur, cur.u32(f"{what} array element type"), f"{what} array element")
         count = cur.u64(f"{what} array length")
+        # Bounded by the bytes left before anything is allocated or looped over; strings and nested
+        # arrays take at least 8 bytes per element (a length, or a type and a count).
+        cur.need(count * (_NUMPY[sub].itemsize if sub in _NUMPY else 8), f"{what} array of {count} {sub.name}")
+        limit = KNOWN_ARRAY_LIMITS.get(key) if depth == 0 else None
+        if limit is not None and count > limit:
+            cur.fail(f"{what} declares {count} elements, more than the {limit} allowed for this key", cur.pos - 8)
         if sub in _NUMPY:
             dt = _NUMPY[sub]
-            cur.need(count * dt.itemsize, f"{what} array of {count} {sub.name}")
             arr = np.frombuffer(self._mm, dtype=dt, count=count, offset=cur.pos)
             if sub == ValueType.BOOL:
-                bad = np.flatnonzero(arr > 1)
-                if bad.size:
-                    cur.fail(f"{what}[{int(bad[0])}]: bool byte is {int(arr[bad[0]])}, expected 0 or 1",
-                             cur.pos + int(bad[0]))
-                out = (arr != 0).tolist()
-            else:
-                out = arr.tolist()
-            del arr  # drop the buffer export so close() can unmap
+                for k in range(0, count, _UTF8_CHUNK):  # in runs: no temporary as large as the array
+                    bad = np.flatnonzero(arr[k : k + _UTF8_CHUNK] > 1)
+                    if bad.size:
+                        j = k + int(bad[0])
+                        cur.fail(f"{what}[{j}]: bool byte is {int(arr[j])}, expected 0 or 1", cur.pos + j)
+                arr = arr.view(np.bool_)
             cur.pos += count * dt.itemsize
+            if count > LAZY_ARRAY_MIN:
+                return NumericArray(arr), sub
+            out = arr.tolist()
+            del arr  # drop the buffer export so close() can unmap
             return out, sub
-        # Strings and nested arrays take at least 8 bytes per element (a length or a type+count).
-        cur.need(count * 8, f"{what} array of {count} {sub.name}")
         if sub == ValueType.STRING:
             strings = cur.string_array(count, what)
-            # nested arrays stay plain lists (rare and small; consumers walk them as lists)
-            return (strings if depth == 0 else strings.tolist()), sub
+            # short nested arrays stay plain lists (rare and small; consumers walk them as lists)
+            return (strings if depth == 0 or count > LAZY_ARRAY_MIN else strings.tolist()), sub
+        if count > MAX_NESTED_ARRAYS:
+            cur.fail(f"{what}: array of {count} arrays, more than the {MAX_NESTED_ARRAYS} allowed", cur.pos - 8)
         out = []
         for j in range(count):
             v, _ = self._read_value(cur, sub, f"{what}[{j}]", depth + 1)
@@ -604,7 +682,35 @@ class GGUFFile:
     def closed(self) -> bool:
         return self._mm is None
 
+    def check_intact(self) -> None:
+        """Raise GGUFError naming the file if it shrank since it was opened.
+
+        Reading a mapped page past the new end of a truncated file kills the process with SIGBUS,
+        which nothing in Python can catch; this ``fstat`` is cheap enough to call before each batch
+        of weight reads (each layer), so truncation between reads is a clean error instead. The
+        file being cut during a read remains a race: see ``mapping_guard``."""
+        fh = self._fh
+        if fh is None:
+            return
+        try:
+            now = os.fstat(fh.fileno()).st_size
+        except (OSError, ValueError) as exc:
+            raise GGUFError(f"cannot check the file is still intact: {exc}", path=self.path) from None
+        if now < self.file_size:
+            raise GGUFError(f"the file shrank from {self.file_size:,} to {now:,} bytes while in use (truncated "
+                            f"or rewritten in place); its tensors can no longer be read", path=self.path)
+
+    def guard(self) -> bool:
+        """Have a SIGBUS from this file's mapping (the file truncated during a read) end the process
+        with one line naming the file (``mapping_guard``). True when the guard runs."""
+        if not self._guarded and self._mm is not None:
+            self._guarded = mapping_guard.watch(self)
+        return self._guarded
+
     def close(self) -> None:
+        if self._guarded:
+            self._guarded = False
+            mapping_guard.forget(self)
         mm = self._mm
         if mm is not None:
             self._mm = None

@@ -215,7 +215,7 @@ def load_model_file(path: str | os.PathLike) -> tuple[GGUFFile, ModelConfig, Lay
     """Open (mmap), read the config and validate the layout; the file is closed again on any error.
 
     Raises GGUFError for an unreadable container, LayoutError for a readable file that is not a
-    DS4 Flash model ds4 would run.
+    DS4 Flash model ds4 would run. The returned file is guarded (``GGUFFile.guard``).
     """
     f = GGUFFile(path)
     try:
@@ -224,6 +224,7 @@ def load_model_file(path: str | os.PathLike) -> tuple[GGUFFile, ModelConfig, Lay
     except BaseException:
         f.close()
         raise
+    f.guard()  # the weights will be read: a SIGBUS from a truncated file names it
     return f, cfg, report
 
 

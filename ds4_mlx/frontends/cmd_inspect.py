@@ -13,6 +13,7 @@ import importlib
 import json
 import math
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from ds4_mlx.errors import LayoutError
@@ -23,6 +24,10 @@ from ds4_mlx.formats.layout import LayoutReport, routed_quant_bits, validate_lay
 ARRAY_HEAD = 8  # array items shown before eliding
 ARRAY_FULL = 16  # arrays up to this length are shown whole
 TEXT_STRING_MAX = 120  # longest string shown in text mode
+TEXT_NAME_MAX = 160  # longest key or tensor name shown in text mode (longer ones are cut, with a marker)
+# Columns are padded to the longest key or name up to this width only: padding every line to one
+# hostile 200 KB key made the report of a 480 KB file 2 GB long. Text output stays linear in the file.
+KEY_COLUMN_MAX = 48
 
 
 def register(subparsers) -> None:
@@ -38,7 +43,9 @@ def run(args: argparse.Namespace) -> int:
     with GGUFFile(args.path) as f:
         info = inspect_file(f)
     if args.json:
-        json.dump(info, sys.stdout, ensure_ascii=False, allow_nan=False)
+        # ASCII-only: control characters and bidi overrides in keys or strings reach the terminal
+        # as \u escapes, never raw; json.loads gives back the same text.
+        json.dump(info, sys.stdout, ensure_ascii=True, allow_nan=False)
         sys.stdout.write("\n")
     else:
         sys.stdout.write(format_text(info, show_tensors=not args.no_tensors))
@@ -101,7 +108,9 @@ def _field_summary(fl: MetadataField) -> dict[str, Any]:
 
 def _array_summary(values: list) -> dict[str, Any]:
     shown = values if len(values) <= ARRAY_FULL else values[:ARRAY_HEAD]
-    head = [_array_summary(v) if isinstance(v, list) else _json_scalar(v) for v in shown]
+    # a nested array is a list, or (when long) a StringArray / NumericArray read in place
+    head = [_array_summary(v) if isinstance(v, Sequence) and not isinstance(v, str) else _json_scalar(v)
+            for v in shown]
     return {"count": len(values), "head": head, "truncated": len(shown) < len(values)}
 
 
@@ -145,12 +154,42 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
+def escape_text(text: str) -> str:
+    """Printable characters as is; backslash, control characters, bidi overrides and every other
+    unprintable character as escapes (as ``kv ls`` shows key text), so file content cannot drive
+    the terminal."""
+    out = []
+    for ch in text:
+        if ch == "\\":
+            out.append("\\\\")
+        elif ch.isprintable():
+            out.append(ch)
+        else:
+            out.append(repr(ch)[1:-1])
+    return "".join(out)
+
+
+def _clean(text: str) -> str:
+    """A free-text line (an error, a warning) with its unprintable characters escaped; backslashes
+    are kept (the messages already quote names with repr)."""
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+
+
+def _marked(shown: str, full_length: int, limit: int) -> str:
+    return shown + (f"... ({full_length} chars)" if full_length > limit else "")
+
+
+def _name(text: str) -> str:
+    """A key or tensor name for the text report: its first TEXT_NAME_MAX characters, escaped, and a
+    marker with the full length when it is longer."""
+    return _marked(escape_text(text[:TEXT_NAME_MAX]), len(text), TEXT_NAME_MAX)
+
+
 def _text_value(summary: dict[str, Any]) -> str:
     if summary["type"] != "ARRAY":
         v = summary["value"]
-        if isinstance(v, str):
-            s = repr(v)
-            return s if len(s) <= TEXT_STRING_MAX else s[:TEXT_STRING_MAX] + f"... ({len(v)} chars)"
+        if isinstance(v, str):  # repr escapes unprintables; only the part shown is escaped
+            return _marked(repr(v[:TEXT_STRING_MAX]), len(v), TEXT_STRING_MAX)
         return repr(v)
     return _text_array(summary)
 
@@ -162,29 +201,31 @@ def _text_array(a: dict[str, Any]) -> str:
 
 
 def _short(v: Any) -> str:
-    s = repr(v)
+    s = repr(v[:41] if isinstance(v, str) else v)
     return s if len(s) <= 40 else s[:40] + "..."
 
 
 def format_text(info: dict[str, Any], show_tensors: bool = True) -> str:
     out: list[str] = []
     w = out.append
-    w(f"file: {info['path']} ({info['file_size']:,} bytes, {_size(info['file_size'])})")
+    w(f"file: {_clean(info['path'])} ({info['file_size']:,} bytes, {_size(info['file_size'])})")
     w(f"gguf: v{info['gguf_version']}, {info['n_kv']} metadata keys, {info['n_tensors']} tensors, "
       f"alignment {info['alignment']}, tensor data at byte {info['data_offset']:,}")
     w("")
     w("metadata:")
-    width = max((len(k) for k in info["metadata"]), default=0)
+    keys = {key: _name(key) for key in info["metadata"]}
+    width = min(max((len(k) for k in keys.values()), default=0), KEY_COLUMN_MAX)
     for key, s in info["metadata"].items():
         kind = s["type"] if s["type"] != "ARRAY" else f"{s['element_type']}[{s['count']}]"
-        w(f"  {key:<{width}}  {kind:<14} {_text_value(s)}")
+        w(f"  {keys[key]:<{width}}  {kind:<14} {_text_value(s)}")
     if show_tensors:
         w("")
         w("tensors:")
-        nw = max((len(t["name"]) for t in info["tensors"]), default=4)
+        names = [_name(t["name"]) for t in info["tensors"]]
+        nw = min(max((len(n) for n in names), default=4), KEY_COLUMN_MAX)
         w(f"  {'name':<{nw}}  {'type':<8} {'ne (GGUF dims)':<24} {'bytes':>14}")
-        for t in info["tensors"]:
-            w(f"  {t['name']:<{nw}}  {t['type']:<8} {str(t['ne']):<24} {t['nbytes']:>14,}")
+        for name, t in zip(names, info["tensors"]):
+            w(f"  {name:<{nw}}  {t['type']:<8} {str(t['ne']):<24} {t['nbytes']:>14,}")
     w("")
     w("tensor types:")
     for name, tot in info["type_totals"].items():
@@ -194,7 +235,7 @@ def format_text(info: dict[str, Any], show_tensors: bool = True) -> str:
     if info["config"] is not None:
         w("")
         w("config:")
-        w("  " + ", ".join(f"{k}={v}" for k, v in info["config"].items()))
+        w("  " + ", ".join(f"{k}={_name(v) if isinstance(v, str) else v}" for k, v in info["config"].items()))
     w("")
     if info["verdict"] == "OK":
         lay = info["layout"]
@@ -202,9 +243,9 @@ def format_text(info: dict[str, Any], show_tensors: bool = True) -> str:
         w(f"layout: OK ({lay['n_checked']} tensors checked)")
         w(f"routed experts: {info['routed_quant_bits']}-bit (gate/up {rt['gate']}, down {rt['down']})")
         for line in lay["warnings"]:
-            w(f"warning: {line}")
+            w(f"warning: {_clean(line)}")
     else:
-        w(f"layout: INVALID: {info['error']}")
+        w(f"layout: INVALID: {_clean(info['error'])}")
         if info["routed_quant_bits"]:
             w(f"routed experts: {info['routed_quant_bits']}-bit (from blk.0.ffn_gate_exps)")
     blas = info["blas"]

@@ -142,7 +142,9 @@ def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend:
     mode = parse_numerics(numerics)
     f, cfg = _open(path)
     try:
-        return _build(f, cfg, mode, backend)
+        model = _build(f, cfg, mode, backend)
+        f.check_intact()  # truncated while loading: a clean error naming it, before any use
+        return model
     except BaseException:
         f.close()
         raise

@@ -84,6 +84,8 @@ class Model:
                       want_logits: bool = True) -> tuple[mx.array | None, ModelState | DecodeCache]:
         """Run tokens (positions state.n_tokens..) layer-major; logits of the last token if asked.
         A ``DecodeCache`` state takes the compiled decode step per token (and is updated in place)."""
+        if self.source is not None:
+            self.source.check_intact()  # weights are about to be read: a truncated file is an error, not SIGBUS
         if isinstance(state, DecodeCache):
             logits = None
             for t in np.asarray(tokens, dtype=np.int64).reshape(-1):
@@ -107,6 +109,8 @@ class Model:
         # embedding's view) so they never pile up; one-token chunks (decode steps) keep theirs.
         release = len(tokens) > 1
         for block, ls in zip(self.blocks, state.layers):
+            if self.source is not None and block.il:
+                self.source.check_intact()  # and before each further layer's weights
             H, ls = block(H, tokens, p0, ls, self.numerics)
             layers.append(ls)
             mx.eval(H, *_arrays(ls))
