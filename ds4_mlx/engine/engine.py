@@ -36,8 +36,10 @@ def resolve_model_path(path_or_repo: str | os.PathLike) -> Path:
     spec = os.fspath(path_or_repo)
     if not spec.startswith("hf:"):
         return Path(spec)
+    import importlib
+
     try:
-        from ds4_mlx import hub
+        hub = importlib.import_module("ds4_mlx.hub")
     except ModuleNotFoundError as exc:
         if exc.name != "ds4_mlx.hub":
             raise
