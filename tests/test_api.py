@@ -223,3 +223,61 @@ def test_sigint_ends_generate_cleanly(tiny_model_path):
     assert proc.returncode == 130, err
     assert time.monotonic() - t0 < 60
     assert "ds4-mlx: prompt:" in err and "generation:" in err and "Traceback" not in err, err
+
+
+def test_cli_ctx_above_the_model_context_is_one_error_line(tiny_model_path, capsys):
+    from ds4_mlx.frontends.cli import main
+
+    rc = main(["generate", "-m", str(tiny_model_path), "-p", "Hello", "-n", "1", "--ctx", "2000000"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--ctx 2000000 is larger than the model's context length 1048576" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+class _Stream:
+    def __init__(self, tty: bool):
+        self.tty, self.parts = tty, []
+
+    def isatty(self) -> bool:
+        return self.tty
+
+    def write(self, s: str) -> int:
+        self.parts.append(s)
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_cli_notices_wait_for_the_end_of_a_text_line():
+    from ds4_mlx.frontends.cmd_generate import _Output
+
+    out, err = _Stream(False), _Stream(False)
+    o = _Output(out, err)
+    o.notice("before")           # at a line start: printed at once
+    assert "".join(err.parts) == "ds4-mlx: before\n"
+    o.text("half a li")
+    o.notice("kv cache stored 64 tokens (continued) in x")
+    assert "".join(err.parts) == "ds4-mlx: before\n"  # held: the text line is not finished
+    o.text("ne\nnext")
+    assert "".join(err.parts).endswith("kv cache stored 64 tokens (continued) in x\n")
+    o.notice("late")
+    o.end()
+    assert "".join(err.parts).endswith("ds4-mlx: late\n")
+
+
+def test_cli_prefill_bar_only_on_a_terminal(monkeypatch):
+    from ds4_mlx.frontends.cmd_generate import _PrefillBar
+
+    monkeypatch.setattr(_PrefillBar, "DELAY_S", 0.0)
+    piped = _Stream(False)
+    bar = _PrefillBar(piped)
+    for d in (8, 16, 32):
+        bar.update(d, 32, 100.0)
+    assert piped.parts == []
+    tty = _Stream(True)
+    bar = _PrefillBar(tty)
+    for d in (8, 16, 32):
+        bar.update(d, 32, 100.0)
+    shown = "".join(tty.parts)
+    assert "prefill" in shown and "/32" in shown and bar.bar is None

@@ -114,19 +114,33 @@ def run(args) -> int:
     import signal
     import threading
 
+    _validate(args)
+    text = _read_prompt(args)
+    cancel = threading.Event()
+    # SIGINT sets the cancel flag the loop checks before every token and prefill chunk, so the
+    # run ends cleanly (stats printed, exit 130) instead of unwinding from inside a forward pass.
+    previous = signal.signal(signal.SIGINT, lambda *_: cancel.set()) \
+        if threading.current_thread() is threading.main_thread() else None
+    try:
+        return _run(args, text, cancel)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _run(args, text: str, cancel) -> int:
     from ds4_mlx.chat.template import DEFAULT_SYSTEM
     from ds4_mlx.engine.engine import Engine
     from ds4_mlx.engine.generate import stream_generate
 
-    _validate(args)
-    text = _read_prompt(args)
     engine = Engine.open(args.model, numerics=args.numerics)
+    if cancel.is_set():
+        return 130
     if args.ctx > engine.context_length:
         raise CliUsageError(f"--ctx {args.ctx} is larger than the model's context length {engine.context_length}")
     session = engine.new_session(ctx=args.ctx, chunk=args.prefill_chunk)
     disk = _open_disk_cache(engine, args) if args.kv_disk_dir else None
     dump = bool(args.dump_logprobs)
-    cancel = threading.Event()
     out = _Output(sys.stdout, sys.stderr)
     bar = _PrefillBar(sys.stderr)
     kwargs = dict(max_tokens=args.tokens, temperature=0.0 if dump else args.temp, top_p=args.top_p,
@@ -134,10 +148,6 @@ def run(args) -> int:
                   system=DEFAULT_SYSTEM if args.system is None else args.system, raw=args.raw,
                   session=session, kv_cache=disk, kv_cache_save_on_exit=args.kv_cache_save_on_exit,
                   logprobs=min(args.logprobs_top_k, 128) if dump else 0, progress=bar.update, cancel=cancel)
-    # SIGINT sets the cancel flag the loop checks before every token and prefill chunk, so the
-    # run ends cleanly (stats printed, exit 130) instead of unwinding from inside a forward pass.
-    previous = signal.signal(signal.SIGINT, lambda *_: cancel.set()) \
-        if threading.current_thread() is threading.main_thread() else None
     steps: list[dict] = []
     done = None
     try:
@@ -155,8 +165,6 @@ def run(args) -> int:
                 done = ev
     finally:
         bar.close()
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
     if dump:
         if done.token is not None:  # the EOS step: ds4 writes it too
             steps.append(_step_json(engine.tokenizer, len(steps), done.token, done.top_logprobs))
@@ -180,11 +188,17 @@ class _Output:
     def text(self, piece: str) -> None:
         if not piece:
             return
-        self.out.write(piece)
-        self.out.flush()
-        self.at_line_start = piece.endswith("\n")
-        if self.at_line_start and self.held:
+        cut = piece.rfind("\n") + 1
+        if self.held and cut:  # release held notices right after the piece's last line break
+            self.out.write(piece[:cut])
+            self.out.flush()
             self._release()
+            piece = piece[cut:]
+            self.at_line_start = True
+        if piece:
+            self.out.write(piece)
+            self.at_line_start = piece.endswith("\n")
+        self.out.flush()
 
     def notice(self, line: str) -> None:
         self.held.append(line)
