@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 __all__ = [
     "load", "generate", "stream_generate", "Engine", "Session", "Snapshot",
     "GenerationEvent", "GenerationResult", "GenerationStats", "TokenLogprob", "GenerationError",
+    "IndexedToolCall",
     "__version__",
 ]
 
@@ -28,6 +29,7 @@ _LAZY = {
     "GenerationResult": "ds4_mlx.engine.generate",
     "GenerationStats": "ds4_mlx.engine.generate",
     "TokenLogprob": "ds4_mlx.engine.generate",
+    "IndexedToolCall": "ds4_mlx.engine.generate",
     "GenerationError": "ds4_mlx.engine.generate",
     "Engine": "ds4_mlx.engine.engine",
     "Session": "ds4_mlx.engine.session",

@@ -281,3 +281,70 @@ def test_cli_prefill_bar_only_on_a_terminal(monkeypatch):
         bar.update(d, 32, 100.0)
     shown = "".join(tty.parts)
     assert "prefill" in shown and "/32" in shown and bar.bar is None
+
+
+def _scripted(model, text: str, *, eos: bool):
+    """A session whose "model" emits ``text`` token by token (then EOS if asked): the loop's own
+    logic (finish reasons, tool calls, kinds) on output the tiny random model would never write."""
+    import numpy as np
+
+    script = model.tokenizer.encode_rendered(text) + ([model.eos_id] if eos else [])
+    s = model.new_session(ctx=CTX)
+    fed = []
+
+    def logits():
+        i = len(fed) if s.n_tokens else 0
+        out = np.full(model.config.n_vocab, -10.0, dtype=np.float32)
+        out[script[min(i, len(script) - 1)] if i < len(script) else 0] = 10.0
+        return out
+
+    s.logits = logits
+    s.eval = fed.append
+    return s, script
+
+
+def _dsml_text():
+    from ds4_mlx.chat.dsml import render_tool_calls
+    from ds4_mlx.chat.messages import ToolCall
+
+    return render_tool_calls([ToolCall("get_weather", '{"city":"Paris"}'), ToolCall("get_time", '{"tz":"CET"}')])
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+def test_tool_calls_end_the_generation_and_are_parsed(model):
+    text = "Let me check.</think>Sure." + _dsml_text() + " and more text after the block"
+    s, _ = _scripted(model, text, eos=False)
+    events = list(ds4_mlx.stream_generate(model, "Weather?", session=s, tools=TOOLS, max_tokens=200,
+                                          temperature=0))
+    done = events[-1]
+    r = done.result
+    assert done.finish_reason == "tool_calls" == r.finish_reason
+    assert r.text == text[:len(r.text)] and "and more" not in r.text and r.text.endswith("tool_calls>")
+    assert (r.reasoning, r.content) == ("Let me check.", "Sure.")
+    assert [(c.name, c.arguments) for c in r.tool_calls] == [("get_weather", '{"city":"Paris"}'),
+                                                            ("get_time", '{"tz":"CET"}')]
+    assert r.raw_dsml and "get_weather" in r.raw_dsml
+    calls = [e.tool_call for e in events if e.tool_call is not None]
+    assert [(c.index, c.name, c.arguments) for c in calls] == [(0, "get_weather", '{"city":"Paris"}'),
+                                                               (1, "get_time", '{"tz":"CET"}')]
+    kinds = [e.kind for e in events if e.kind in TEXT_KINDS and e.text]
+    assert kinds[0] == "reasoning" and "content" in kinds and kinds[-1] == "tool_call"
+    assert _texts(events) == r.text
+
+
+def test_unterminated_tool_block_is_error_and_eos_is_stop(model):
+    cut = _dsml_text()[:60]
+    s, script = _scripted(model, "</think>Hi." + cut, eos=True)
+    r = ds4_mlx.generate(model, "Weather?", session=s, tools=TOOLS, max_tokens=200, temperature=0)
+    assert r.finish_reason == "error" and r.error and r.tool_calls == ()
+    s, script = _scripted(model, "</think>Hello there.", eos=True)
+    events = list(ds4_mlx.stream_generate(model, "Hi", session=s, max_tokens=200, logprobs=2))
+    done = events[-1]
+    assert done.finish_reason == "stop" and done.token == model.eos_id and len(done.top_logprobs) == 2
+    assert done.result.content == "Hello there." and done.result.tokens == script[:-1]
+    # without tools a closed block does not stop decoding, but the result still parses it
+    s, _ = _scripted(model, "</think>Ok." + _dsml_text(), eos=True)
+    r = ds4_mlx.generate(model, "Hi", session=s, max_tokens=200)
+    assert r.finish_reason == "tool_calls" and len(r.tool_calls) == 2

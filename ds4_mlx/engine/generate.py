@@ -18,6 +18,13 @@ message, e.g. the Think Max fallback), "cache" (a disk KV cache report: hit, sav
 event per report) and finally "done" (``finish_reason``, ``stats``, ``result``). The kind of a
 text piece is a streaming guess from ds4's own markers (inside ``<think>``, inside a tool block);
 ``result.reasoning`` / ``content`` / ``tool_calls`` are the authoritative parse of the whole text.
+
+For API servers, each text event also carries ``deltas``: what ``chat.dsml_stream.DsmlStreamParser``
+made of the text so far (clean ``ReasoningDelta`` / ``ContentDelta`` without the think tags,
+``ToolCallStart`` / ``ToolCallArgumentsDelta`` / ``ToolCallEnd``; the parser holds back text that
+may still be a delimiter, so deltas lag the raw text a little; the rest, and its ``StreamEnd``,
+come on the "done" event). A text event at which a tool call closed has ``tool_call`` set
+(``IndexedToolCall``); several calls closing at once give extra empty-text "tool_call" events.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ds4_mlx.chat.dsml_stream import DsmlStreamParser, StreamEnd
+from ds4_mlx.chat.dsml_stream import DsmlStreamParser, StreamEnd, ToolCallEnd
 from ds4_mlx.chat.messages import ToolCall
 from ds4_mlx.chat.template import DEFAULT_SYSTEM, THINK_CLOSE, THINK_OPEN, ThinkMode, resolve_think_mode
 from ds4_mlx.engine.sampling import SamplingParams, XorShiftRng, argmax, sample, top_logprobs
@@ -63,10 +70,20 @@ class TokenLogprob:
     logit: float
 
 
+@dataclass(frozen=True)
+class IndexedToolCall:
+    """A parsed tool call and its 0-based position among this generation's calls."""
+
+    index: int
+    name: str
+    arguments: str                  # JSON object text (compact, as ds4 sends it)
+
+
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0          # prompt tokens whose state was reused (session or disk), not computed
+    cache_source: str = "none"      # where they came from: none | session | live | disk-tokens | disk-text
     generation_tokens: int = 0
     load_time_s: float = 0.0        # the model's open time (``Engine.load_time``)
     prefill_s: float = 0.0
@@ -77,6 +94,11 @@ class GenerationStats:
     think: str = "none"             # the thinking mode in effect
     notices: list[str] = field(default_factory=list)  # one-line notices (Think Max fallback, ...)
     cache: list[str] = field(default_factory=list)    # disk KV cache reports, one line each
+
+    @property
+    def completion_tokens(self) -> int:
+        """``generation_tokens`` under its OpenAI name."""
+        return self.generation_tokens
 
     @property
     def computed_tokens(self) -> int:
@@ -115,6 +137,8 @@ class GenerationResult:
     finish_reason: str
     stats: GenerationStats
     prompt_tokens: list[int] = field(default_factory=list, repr=False)
+    raw_dsml: str | None = None     # the exact sampled tool block (what ds4 replays in a later request)
+    error: str | None = None        # why, when finish_reason is "error"
 
 
 @dataclass(frozen=True)
@@ -128,6 +152,8 @@ class GenerationEvent:
     stats: GenerationStats | None = None  # "done" only
     result: GenerationResult | None = None  # "done" only
     report: object = None           # "cache": the DiskCache report object (SaveResult / SyncReport)
+    deltas: tuple = ()              # text and done events: DsmlStreamParser events (see module docstring)
+    tool_call: IndexedToolCall | None = None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -281,7 +307,7 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
                     system: str | None = DEFAULT_SYSTEM, raw: bool = False, stop=None, tools=None,
                     session=None, logprobs: int = 0, progress: Callable[[int, int, float], None] | None = None,
                     ctx: int | None = None, kv_cache=None, kv_cache_save_on_exit: bool = False,
-                    cancel=None) -> Iterator[GenerationEvent]:
+                    cancel=None, tool_choice=None) -> Iterator[GenerationEvent]:
     """Generate from ``prompt`` and yield events (see the module docstring).
 
     ``model``: ``ds4_mlx.load(...)``. ``prompt``: a string (ds4's CLI chat template, or tokenized
@@ -291,7 +317,8 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
     "high"/"max" (Max needs ctx >= 393216, else a notice and normal thinking). ``stop``: strings
     that end the generation (not included in the text). ``tools``: OpenAI tool schemas; a closed
     tool block then ends the generation with finish "tool_calls", and DSML markup is sampled
-    greedily as ds4-server does. ``session``: continue in this ``Session`` (it syncs to the new
+    greedily as ds4-server does; ``tool_choice="none"`` drops them (OpenAI's meaning; a request
+    renderer may also use it for the prompt). ``session``: continue in this ``Session`` (it syncs to the new
     prompt, reusing the shared prefix); else a fresh one of ``ctx`` tokens. ``logprobs``: top-k
     alternatives per token (0 = none). ``progress(done, total, tokens_per_s)``: called after each
     prefill chunk. ``kv_cache``: a ``DiskCache`` to sync through and save into.
@@ -317,6 +344,8 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
     if system is not None and not isinstance(system, str):
         raise GenerationError(f"system must be a string or None, got {type(system).__name__}")
     mode = as_think_mode(think)
+    if tool_choice == "none":
+        tools = None
     if session is None:
         session = model.new_session(ctx)
     else:
@@ -363,9 +392,12 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
             report = kv_cache.sync(session, ids)
             ids, stats.cached_tokens = list(report.effective_prompt), report.cached_tokens
             stats.prompt_tokens = len(ids)
+            stats.cache_source = report.source if report.cached_tokens else "none"
             cache_events = _sync_lines(report)
         else:
-            stats.cached_tokens = session.sync(ids).reused
+            synced = session.sync(ids)
+            stats.cached_tokens = synced.reused
+            stats.cache_source = synced.source if synced.reused else "none"
             cache_events = []
     except (_Cancelled, KeyboardInterrupt):
         finish, cache_events = "cancelled", []
@@ -386,15 +418,26 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
     stopper = _StopFilter(stops)
     eos = model.eos_id
 
-    def emit(text: str, token: int | None, lp=None, top=()) -> GenerationEvent:
+    n_calls = 0
+
+    def emit(text: str, token: int | None, lp=None, top=()) -> list[GenerationEvent]:
+        nonlocal n_calls
         was_inside = parser.markers.thinking.inside
         had_end = parser.saw_tool_end
+        deltas = ()
         if text:
             pieces.append(text)
-            parser.feed(text)
+            deltas = tuple(parser.feed(text))
         kind = ("reasoning" if was_inside else
                 "tool_call" if parser.saw_tool_start and not had_end else "content")
-        return GenerationEvent(kind, text, token, lp, top)
+        calls = []
+        for d in deltas:
+            if isinstance(d, ToolCallEnd):
+                calls.append(IndexedToolCall(n_calls, d.call.name, d.call.arguments))
+                n_calls += 1
+        first = GenerationEvent("tool_call" if calls else kind, text, token, lp, top, deltas=deltas,
+                                tool_call=calls[0] if calls else None)
+        return [first] + [GenerationEvent("tool_call", tool_call=c) for c in calls[1:]]
 
     t_decode = time.perf_counter()
     pending: list[tuple[str, object]] = []
@@ -426,7 +469,7 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
             if stats.ttft_s is None:
                 stats.ttft_s = time.perf_counter() - t_start
             text, hit = stopper.feed(decoder.feed(token))
-            yield emit(text, token, lp, top)
+            yield from emit(text, token, lp, top)
             if hit:
                 finish = "stop"
                 break
@@ -459,25 +502,28 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
     if not hit:
         tail += stopper.flush()
     if tail:
-        yield emit(tail, None)
+        yield from emit(tail, None)
     if kv_cache is not None and kv_cache_save_on_exit:
         res = kv_cache.close(session)
         if res is not None:
             stats.cache.append(_save_line(res))
             yield GenerationEvent("cache", stats.cache[-1], report=res)
-    end = [e for e in parser.finish() if isinstance(e, StreamEnd)][-1]
-    message = end.message
+    final_deltas = tuple(parser.finish())
+    message = [e for e in final_deltas if isinstance(e, StreamEnd)][-1].message
+    error = None
     if finish == "stop" and not message.ok:
         finish = "error"  # a tool block started and never closed (ds4-server's finish "error")
+        error = "the generated tool call block is malformed or unterminated"
     elif finish == "stop" and message.tool_calls:
         finish = "tool_calls"
     stats.peak_rss_bytes = _peak_rss()
     stats.peak_mlx_bytes = int(mx.get_peak_memory())
     result = GenerationResult(text="".join(pieces), reasoning=message.reasoning, content=message.content,
                               tool_calls=tuple(message.tool_calls), tokens=generated, finish_reason=finish,
-                              stats=stats, prompt_tokens=ids)
+                              stats=stats, prompt_tokens=ids, raw_dsml=message.raw_dsml, error=error)
     base = eos_event or GenerationEvent("done")
-    yield GenerationEvent("done", "", base.token, base.logprob, base.top_logprobs, finish, stats, result)
+    yield GenerationEvent("done", "", base.token, base.logprob, base.top_logprobs, finish, stats, result,
+                          deltas=final_deltas)
 
 
 def generate(model, prompt, **kwargs) -> GenerationResult:
