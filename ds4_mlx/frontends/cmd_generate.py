@@ -13,6 +13,12 @@ the live session is saved as "continued" at every multiple of the continued step
 rounded up to the alignment: 10240 by default) during prefill and generation.
 ``--kv-cache-save-on-exit`` also stores the final state (ds4-server's shutdown save; off by
 default, see ``DiskCache``). The stats line reports the cached tokens.
+
+The run is ``ds4_mlx.stream_generate`` (``engine/generate.py``, the package's only decode loop);
+this module only prints its events: text to stdout, cache reports and notices to stderr on lines of
+their own, then the stats line (prompt, cached, prefill and generation speed, load time, time to
+first token, peak memory). Ctrl-C stops within a token: the stats line is still printed, exit 130.
+A prefill that runs over a second draws a progress bar when stderr is a terminal.
 """
 
 from __future__ import annotations
