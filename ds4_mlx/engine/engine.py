@@ -185,7 +185,12 @@ class Engine:
         rendered as ds4-server renders a chat request (``render_messages``).  ``system`` is used
         when the messages carry no system/developer message (None or "" for none): ds4-server adds
         no default system text, ds4's CLI does, and this follows the CLI so that a single user
-        message gives the same ids as the same string.  ``think``: True/False/"none"/"high"/"max";
+        message gives the same ids as the same string.  Two cases still differ, each form keeping
+        its ds4 counterpart's ids: one of ds4's special strings (``<｜User｜>``...) inside the text
+        is one marker token in the messages form (ds4-server tokenizes the rendered prompt) but
+        plain BPE in the string form (ds4's CLI encodes the user text alone); and with Think Max a
+        system text that starts with whitespace is BPE'd together with the Max prefix's final
+        blank line in the messages form, separately in the string form.  ``think``: True/False/"none"/"high"/"max";
         Think Max applies only when ``ctx`` >= 393216 (ds4's rule).  ``tools``: OpenAI tool
         schemas (a string prompt then goes through the messages form).
         ``add_generation_prompt=False`` leaves off the trailing ``<｜Assistant｜><think>``.
