@@ -44,6 +44,9 @@ def test_public_names_and_repr(model):
     assert "layers=6" in r and "numerics='default'" in r and "vocab=129280" in r and "context_max=" in r
     s = model.new_session(ctx=64)
     assert isinstance(s, ds4_mlx.Session) and "ctx=64" in repr(s) and "tokens=0" in repr(s)
+    assert ds4_mlx.Session(model, 32).model is model.network
+    with pytest.raises(Ds4Error, match="ds4_mlx.load"):
+        ds4_mlx.Session("model.gguf", 32)
     assert model.tokenizer.decode(model.tokenizer.encode("Hello world")) == "Hello world"
     assert model.config.n_layer == 6 and model.eos_id == model.tokenizer.eos_id
 

@@ -99,7 +99,7 @@ class SyncStats:
 
 
 class Session:
-    """``model``: the network (``ds4_mlx.model.transformer.Model``, i.e. ``ds4_mlx.load(p).network``).
+    """``model``: ``ds4_mlx.load(p)`` or its network (``ds4_mlx.model.transformer.Model``).
 
     ``on_prefill``: optional ``callable(done, total)`` called after each prefill chunk of a
     ``sync`` / ``append`` / ``rewind`` (``done`` of the ``total`` tokens that call computes); it
@@ -119,6 +119,9 @@ class Session:
             raise InferenceError(f"resume_prefill_min must be >= 1, got {resume_prefill_min}")
         if auto_checkpoints < 0 or kept_checkpoints < 0:
             raise InferenceError("checkpoint pool sizes must be >= 0")
+        model = getattr(model, "network", model)  # ds4_mlx.load()'s object works as well as its network
+        if not hasattr(model, "forward_chunk"):
+            raise InferenceError(f"Session needs a model from ds4_mlx.load(), got {type(model).__name__}")
         self.model = model
         self.config = model.config
         if not isinstance(ctx, int) or isinstance(ctx, bool) or ctx < 2:
