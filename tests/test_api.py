@@ -224,9 +224,20 @@ def test_hostile_model_and_session(model, tiny_model_path):
         ds4_mlx.generate(model, "Hello", session="nope")
     with pytest.raises(Ds4Error, match="differs"):
         ds4_mlx.generate(model, "Hello", session=model.new_session(ctx=64), ctx=128)
-    # without ds4_mlx.hub (another branch adds it) the error names it; with it, hub's own Ds4Error
-    with pytest.raises(Ds4Error, match="ds4_mlx.hub|hf:|nobody"):
-        ds4_mlx.load("hf:nobody/none/model.gguf")
+
+
+def test_hf_specs_go_through_the_hub(tiny_model_path, monkeypatch):
+    import types
+
+    monkeypatch.setitem(sys.modules, "ds4_mlx.hub", None)  # a build without ds4_mlx.hub
+    with pytest.raises(Ds4Error, match="need ds4_mlx.hub"):
+        ds4_mlx.load("hf:someone/repo/model.gguf")
+    asked = []
+    fake = types.ModuleType("ds4_mlx.hub")
+    fake.resolve_model = lambda spec: asked.append(spec) or tiny_model_path
+    monkeypatch.setitem(sys.modules, "ds4_mlx.hub", fake)
+    m = ds4_mlx.load("hf:someone/repo/model.gguf")
+    assert asked == ["hf:someone/repo/model.gguf"] and m.path == Path(tiny_model_path)
 
 
 def test_sigint_ends_generate_cleanly(tiny_model_path):
