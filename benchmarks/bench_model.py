@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(path: Path, args) -> int:
     mem0 = memory()
     t0 = time.perf_counter()
-    model = ds4_mlx.load(path, numerics="default")
+    model = ds4_mlx.load(path, numerics="default").network
     cfg = model.config
     t_load = time.perf_counter() - t0
     tiny = cfg.n_embd < 1024

@@ -127,7 +127,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="ds4-bench-restore-") as td:
         tmp = Path(td)
         path = benchmark_model_path(args.model, tmp)
-        model = ds4_mlx.load(path, numerics=args.numerics)
+        model = ds4_mlx.load(path, numerics=args.numerics).network
         cfg = model.config
         tokens = np.random.default_rng(1234).integers(0, cfg.n_vocab, 1 << 16)
         if args.crossover:

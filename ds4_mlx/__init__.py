@@ -14,11 +14,51 @@ _allocator.tune()
 
 __version__ = "0.1.0"
 
-__all__ = ["load", "__version__"]
+__all__ = [
+    "load", "generate", "stream_generate", "Engine", "Session", "Snapshot",
+    "GenerationEvent", "GenerationResult", "GenerationStats", "TokenLogprob", "GenerationError",
+    "IndexedToolCall",
+    "__version__",
+]
+
+# Public names resolved on first use, so ``import ds4_mlx`` does not import mlx or the model code.
+_LAZY = {
+    "generate": "ds4_mlx.engine.generate",
+    "stream_generate": "ds4_mlx.engine.generate",
+    "GenerationEvent": "ds4_mlx.engine.generate",
+    "GenerationResult": "ds4_mlx.engine.generate",
+    "GenerationStats": "ds4_mlx.engine.generate",
+    "TokenLogprob": "ds4_mlx.engine.generate",
+    "IndexedToolCall": "ds4_mlx.engine.generate",
+    "GenerationError": "ds4_mlx.engine.generate",
+    "Engine": "ds4_mlx.engine.engine",
+    "Session": "ds4_mlx.engine.session",
+    "Snapshot": "ds4_mlx.engine.session",
+}
 
 
-def load(path, numerics: str = "default", **kwargs):
-    """Open a DS4 Flash GGUF (mmap) and return the loaded model (see ``ds4_mlx.model.loader``)."""
-    from ds4_mlx.model.loader import load as _load
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ds4_mlx' has no attribute {name!r}")
+    import importlib
 
-    return _load(path, numerics=numerics, **kwargs)
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
+
+def load(path_or_repo, numerics: str = "default", **kwargs):
+    """Open a DS4 Flash GGUF (mmap) and return the model object (``Engine``): ``.tokenizer``,
+    ``.config``, ``.apply_chat_template``, ``.new_session``; the network is ``.network``.
+
+    ``path_or_repo``: a local path or ``hf:REPO/FILE`` (resolved by ``ds4_mlx.hub``).
+    ``numerics``: "default" or "ds4-cpu"; ``kwargs`` go to ``ds4_mlx.model.loader.load``.
+    """
+    from ds4_mlx.engine.engine import Engine
+
+    return Engine.open(path_or_repo, numerics=numerics, **kwargs)

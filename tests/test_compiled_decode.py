@@ -44,7 +44,7 @@ def tokens(oracle_dir) -> list[int]:
 
 @pytest.fixture(scope="module")
 def model(tiny_model_path):
-    return ds4_mlx.load(tiny_model_path, numerics="default")
+    return ds4_mlx.load(tiny_model_path, numerics="default").network
 
 
 @pytest.fixture(scope="module")
@@ -283,7 +283,7 @@ def test_opt_out_and_ds4_cpu_stay_on_the_chunk_path(model, tiny_model_path, toke
     assert not a.compiled and b.compiled and not c.compiled
     assert seen == ["ModelState", "ModelState", "ModelState", "DecodeCache", "ModelState", "ModelState"]
     assert np.array_equal(bits(a.logits()), bits(c.logits()))
-    m4 = ds4_mlx.load(tiny_model_path, numerics="ds4-cpu")
+    m4 = ds4_mlx.load(tiny_model_path, numerics="ds4-cpu").network
     assert not m4.new_session(ctx=64, compile=True).compiled
     with pytest.raises(InferenceError, match="DEFAULT"):
         m4.decoder()

@@ -9,7 +9,7 @@ import pytest
 
 from ds4_mlx.frontends.cli import main
 
-STATS = re.compile(r"ds4-mlx: prompt: (\d+) tokens \((\d+) cached\), prefill: [\d.]+ t/s, "
+STATS = re.compile(r"ds4-mlx: prompt: (\d+) tokens \((\d+) cached\), prefill: (?:[\d.]+ t/s|all \d+ prompt tokens cached), "
                    r"generation: [\d.]+ t/s \((\d+) tokens\)")
 
 

@@ -36,12 +36,12 @@ def tokens(oracle_dir) -> list[int]:
 
 @pytest.fixture(scope="module")
 def model_default(tiny_model_path):
-    return ds4_mlx.load(tiny_model_path, numerics="default")
+    return ds4_mlx.load(tiny_model_path, numerics="default").network
 
 
 @pytest.fixture(scope="module")
 def model_ds4(tiny_model_path):
-    return ds4_mlx.load(tiny_model_path, numerics="ds4-cpu")
+    return ds4_mlx.load(tiny_model_path, numerics="ds4-cpu").network
 
 
 @pytest.fixture(scope="module")
@@ -162,4 +162,4 @@ def test_session_api_and_errors(model_default):
 
 def test_load_rejects_unknown_numerics(tiny_model_path):
     with pytest.raises(Ds4Error, match="numerics"):
-        ds4_mlx.load(tiny_model_path, numerics="fast-math")
+        ds4_mlx.load(tiny_model_path, numerics="fast-math").network

@@ -49,7 +49,7 @@ def _dump(oracle_dir, case: str) -> dict[str, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def models(tiny_model_path):
-    return {mode: ds4_mlx.load(tiny_model_path, numerics=mode) for mode in ("ds4-cpu", "default")}
+    return {mode: ds4_mlx.load(tiny_model_path, numerics=mode).network for mode in ("ds4-cpu", "default")}
 
 
 def _rel(a: np.ndarray, ref: np.ndarray) -> float:

@@ -40,7 +40,7 @@ def _band(case: str) -> tuple[float, float, float]:
 
 @pytest.fixture(scope="module")
 def models(tiny_model_path):
-    return {mode: ds4_mlx.load(tiny_model_path, numerics=mode) for mode in MODES}
+    return {mode: ds4_mlx.load(tiny_model_path, numerics=mode).network for mode in MODES}
 
 
 @pytest.fixture(scope="module")

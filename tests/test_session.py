@@ -21,7 +21,7 @@ from ds4_mlx.errors import InferenceError
 
 @pytest.fixture(scope="module")
 def model(tiny_model_path):
-    return ds4_mlx.load(tiny_model_path)
+    return ds4_mlx.load(tiny_model_path).network
 
 
 @pytest.fixture(scope="module")
@@ -248,7 +248,7 @@ def test_next_token_helpers_and_errors(model, prompt):
 @pytest.mark.slow
 def test_ds4_cpu_numerics_any_resume_point_bit_identical(tiny_model_path, prompt):
     """In the ds4-cpu numerics every row is computed on its own, so chunking never shows."""
-    m = ds4_mlx.load(tiny_model_path, numerics="ds4-cpu")
+    m = ds4_mlx.load(tiny_model_path, numerics="ds4-cpu").network
     a = Session(m, 512, chunk=64)
     a.sync(prompt[:45])
     a.sync(prompt[:150])

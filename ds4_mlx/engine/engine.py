@@ -1,39 +1,115 @@
-"""The engine facade: one opened model file with its tokenizer, handing out sessions.
+"""The public model object (``ds4_mlx.load``): one opened GGUF with its tokenizer, handing out sessions.
 
-Frontends (CLI, server, notebooks) talk to this and to sessions only; they never touch tensors.
+Frontends (CLI, server, notebooks) talk to this, to sessions and to ``engine.generate``; they never
+touch tensors. The network itself (``model/transformer.Model``) is ``.network``.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+import os
+import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from ds4_mlx.chat.template import ASSISTANT, DEFAULT_SYSTEM, USER, ThinkMode, encode_chat_prompt
+from ds4_mlx.chat.template import (
+    ASSISTANT,
+    BOS,
+    DEFAULT_CTX,
+    DEFAULT_SYSTEM,
+    THINK_CLOSE,
+    THINK_OPEN,
+    USER,
+    ThinkMode,
+    encode_chat_prompt,
+    render_messages,
+)
+from ds4_mlx.errors import ChatError, Ds4Error, InferenceError
 from ds4_mlx.tokenizer import Tokenizer
 
-BOS_TEXT = "<｜begin▁of▁sentence｜>"
+BOS_TEXT = BOS
 
 
-@dataclass
+def resolve_model_path(path_or_repo: str | os.PathLike) -> Path:
+    """A local path as is; ``hf:REPO/FILE`` through ``ds4_mlx.hub.resolve_model`` (imported only
+    then, so the rest works without that module)."""
+    spec = os.fspath(path_or_repo)
+    if not spec.startswith("hf:"):
+        return Path(spec)
+    import importlib
+
+    try:
+        hub = importlib.import_module("ds4_mlx.hub")
+    except ModuleNotFoundError as exc:
+        if exc.name != "ds4_mlx.hub":
+            raise
+        raise Ds4Error(f"cannot resolve {spec!r}: Hugging Face model specs need ds4_mlx.hub, which this "
+                       f"build does not have; pass a local GGUF path instead") from None
+    return Path(hub.resolve_model(spec))
+
+
+def as_think_mode(think) -> ThinkMode:
+    """``think`` as a ThinkMode: a ThinkMode, "none" / "high" / "max", or a bool (True = high)."""
+    if isinstance(think, ThinkMode):
+        return think
+    if isinstance(think, bool):
+        return ThinkMode.HIGH if think else ThinkMode.NONE
+    if isinstance(think, str):
+        try:
+            return ThinkMode(think)
+        except ValueError:
+            pass
+    raise ChatError(f"think must be True/False or one of 'none', 'high', 'max', got {think!r}")
+
+
 class Engine:
-    model: object
-    tokenizer: Tokenizer
-    path: Path
-    _model_id: bytes | None = field(default=None, repr=False)
+    """A loaded DS4 Flash model: ``network`` (the transformer), ``tokenizer``, ``config``, ``path``.
+
+    Build it with ``ds4_mlx.load(path)``; ``new_session(ctx)`` gives a ``Session``;
+    ``apply_chat_template`` builds prompts; ``ds4_mlx.generate`` / ``stream_generate`` run it.
+    """
+
+    def __init__(self, network, tokenizer: Tokenizer, path: str | os.PathLike, *, load_time: float = 0.0,
+                 model_id: bytes | None = None):
+        self.network = network
+        self.tokenizer = tokenizer
+        self.path = Path(path)
+        self.load_time = load_time  # seconds spent in open (mmap, tables, tokenizer)
+        self._model_id = model_id
 
     @classmethod
-    def open(cls, path: str | Path, numerics: str = "default") -> "Engine":
-        from ds4_mlx import load
+    def open(cls, path: str | os.PathLike, numerics: str = "default", **kwargs) -> "Engine":
+        """Open a GGUF (or an ``hf:REPO/FILE`` spec); ``kwargs`` go to ``model.loader.load``."""
+        from ds4_mlx.model.loader import load as load_network
 
-        model = load(path, numerics=numerics)
-        # the model keeps its GGUFFile open: build the tokenizer from it rather than reopening the file
-        tokenizer = Tokenizer.from_gguf(model.source)
-        return cls(model=model, tokenizer=tokenizer, path=Path(path))
+        t0 = time.perf_counter()
+        path = resolve_model_path(path)
+        network = load_network(path, numerics=numerics, **kwargs)
+        # the network keeps its GGUFFile open: build the tokenizer from it rather than reopening the file
+        tokenizer = Tokenizer.from_gguf(network.source)
+        return cls(network, tokenizer, path, load_time=time.perf_counter() - t0)
+
+    # -- identity ------------------------------------------------------------------------------------
+
+    @property
+    def config(self):
+        return self.network.config
+
+    @property
+    def numerics(self) -> str:
+        return self.network.numerics.value
+
+    @property
+    def context_length(self) -> int:
+        return self.network.config.context_length
 
     @property
     def eos_id(self) -> int:
         return self.tokenizer.eos_id
+
+    @property
+    def bos_id(self) -> int:
+        return self.tokenizer.bos_id
 
     @property
     def model_id(self) -> bytes:
@@ -42,7 +118,7 @@ class Engine:
         if self._model_id is None:
             from ds4_mlx.engine.payload import model_fingerprint
 
-            self._model_id = model_fingerprint(self.model.source)
+            self._model_id = model_fingerprint(self.network.source)
         return self._model_id
 
     @functools.cached_property
@@ -50,7 +126,7 @@ class Engine:
         """Routed-expert quant bits as ds4's KV cache header records them (2 or 4)."""
         from ds4_mlx.formats.layout import routed_quant_bits
 
-        return routed_quant_bits(self.model.source) or 2
+        return routed_quant_bits(self.network.source) or 2
 
     @property
     def user_id(self) -> int:
@@ -64,15 +140,31 @@ class Engine:
         tid = self.tokenizer.token_to_id(ASSISTANT)
         return -1 if tid is None else tid
 
-    def new_session(self, ctx: int = 32768, *, chunk: int | None = None, **options):
-        """An engine ``Session`` (sync / snapshots / payloads) of ``ctx`` tokens; ``chunk`` is the
-        prefill chunk (ds4's 2048 by default); ``options`` go to ``Session``."""
+    def __repr__(self) -> str:
+        cfg = self.config
+        return (f"Engine(path={str(self.path)!r}, layers={cfg.n_layer}, numerics={self.numerics!r}, "
+                f"vocab={cfg.n_vocab}, context_max={cfg.context_length})")
+
+    # -- sessions ------------------------------------------------------------------------------------
+
+    def default_ctx(self) -> int:
+        """ds4's CLI context (32768), or the model's context length when that is smaller."""
+        return min(DEFAULT_CTX, self.context_length)
+
+    def new_session(self, ctx: int | None = None, *, chunk: int | None = None, **options):
+        """A ``Session`` of ``ctx`` tokens (default ``default_ctx()``); ``chunk`` is the prefill chunk
+        (ds4's 2048 by default); ``options`` go to ``Session`` (checkpoint pools, ``compile``)."""
         from ds4_mlx.engine.session import DEFAULT_CHUNK, Session
 
-        return Session(self.model, ctx, chunk=chunk or DEFAULT_CHUNK, model_id=self._model_id, **options)
+        if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
+            raise InferenceError(f"prefill chunk must be an integer >= 1, got {chunk!r}")
+        return Session(self.network, self.default_ctx() if ctx is None else ctx, chunk=chunk or DEFAULT_CHUNK,
+                       model_id=self._model_id, **options)
+
+    # -- prompts -------------------------------------------------------------------------------------
 
     def encode_prompt(self, text: str, *, raw: bool = False, system: str | None = DEFAULT_SYSTEM,
-                      think: ThinkMode = ThinkMode.HIGH, ctx: int = 32768) -> list[int]:
+                      think: ThinkMode = ThinkMode.HIGH, ctx: int = DEFAULT_CTX) -> list[int]:
         """Tokens for a prompt as ds4's CLI builds them.
 
         ``raw`` (or text that already starts with the BOS marker, as ds4 detects) tokenizes the text
@@ -81,3 +173,48 @@ class Engine:
         if raw or text.startswith(BOS_TEXT):
             return self.tokenizer.encode_rendered(text)
         return encode_chat_prompt(self.tokenizer, text, system=system or "", think=think, ctx=ctx)
+
+    def apply_chat_template(self, messages, tools=None, *, think=ThinkMode.HIGH,
+                            system: str | None = DEFAULT_SYSTEM, add_generation_prompt: bool = True,
+                            tokenize: bool = True, ctx: int = DEFAULT_CTX) -> list[int] | str:
+        """The prompt for a conversation, as token ids (or text with ``tokenize=False``).
+
+        ``messages``: a string, rendered as ds4's CLI chat prompt exactly like ``ds4-mlx generate -p``
+        (the user text is plain BPE: special markers in it are not recognised); or a list of
+        OpenAI-style messages (``role``, ``content``, ``reasoning_content``, ``tool_calls``),
+        rendered as ds4-server renders a chat request (``render_messages``).  ``system`` is used
+        when the messages carry no system/developer message (None or "" for none): ds4-server adds
+        no default system text, ds4's CLI does, and this follows the CLI so that a single user
+        message gives the same ids as the same string.  Two cases still differ, each form keeping
+        its ds4 counterpart's ids: one of ds4's special strings (``<｜User｜>``...) inside the text
+        is one marker token in the messages form (ds4-server tokenizes the rendered prompt) but
+        plain BPE in the string form (ds4's CLI encodes the user text alone); and with Think Max a
+        system text that starts with whitespace is BPE'd together with the Max prefix's final
+        blank line in the messages form, separately in the string form.  ``think``: True/False/"none"/"high"/"max";
+        Think Max applies only when ``ctx`` >= 393216 (ds4's rule).  ``tools``: OpenAI tool
+        schemas (a string prompt then goes through the messages form).
+        ``add_generation_prompt=False`` leaves off the trailing ``<｜Assistant｜><think>``.
+        """
+        mode = as_think_mode(think)
+        if system is not None and not isinstance(system, str):
+            raise ChatError(f"system must be a string or None, got {type(system).__name__}")
+        if isinstance(messages, str):
+            if tools is None:
+                ids = encode_chat_prompt(self.tokenizer, messages, system=system or "", think=mode, ctx=ctx)
+                if not add_generation_prompt:
+                    ids = ids[:-2]
+                return ids if tokenize else self.tokenizer.decode(ids)
+            messages = [{"role": "user", "content": messages}]
+        if isinstance(messages, Mapping) or not isinstance(messages, Sequence) or not messages:
+            raise ChatError("messages must be a string or a non-empty list of {'role', 'content'} objects")
+        msgs = list(messages)
+        has_system = any(isinstance(m, Mapping) and m.get("role") in ("system", "developer") for m in msgs)
+        if system and not has_system:
+            msgs.insert(0, {"role": "system", "content": system})
+        text = render_messages(msgs, tools=tools, think=mode, ctx=ctx)
+        if not add_generation_prompt:
+            for tail in (ASSISTANT + THINK_OPEN, ASSISTANT + THINK_CLOSE):
+                if text.endswith(tail):
+                    text = text[:-len(tail)]
+                    break
+        return self.tokenizer.encode_rendered(text) if tokenize else text

@@ -1,4 +1,8 @@
-"""The engine's inference session: a token history and the model state that continues it exactly.
+"""The inference session (``ds4_mlx.Session``): a token history and the model state that continues it exactly.
+
+The one public session class. It drives a model-level ``Runner`` (``model/runner.py``: chunked
+prefill, compiled decode, logits) and adds sync, rewind, snapshots, payload files and next-token
+scoring. Get one from ``ds4_mlx.load(path).new_session(ctx=...)``.
 
 ``sync(tokens)`` brings the live state to exactly that prefix (ds4_session_sync, with snapshots):
 
@@ -44,7 +48,7 @@ checkpoints only at chunk-aligned lengths; ``kvstore_policy`` keeps that rule.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -95,9 +99,16 @@ class SyncStats:
 
 
 class Session:
+    """``model``: ``ds4_mlx.load(p)`` or its network (``ds4_mlx.model.transformer.Model``).
+
+    ``on_prefill``: optional ``callable(done, total)`` called after each prefill chunk of a
+    ``sync`` / ``append`` / ``rewind`` (``done`` of the ``total`` tokens that call computes); it
+    observes only, the chunks are the same with or without it.
+    """
+
     def __init__(self, model, ctx: int, *, chunk: int = DEFAULT_CHUNK, model_id: bytes | None = None,
                  resume_prefill_min: int | None = None, auto_checkpoints: int = 2,
-                 kept_checkpoints: int = 4):
+                 kept_checkpoints: int = 4, compile: bool | None = None):
         if resume_prefill_min is None:
             env = os.environ.get("DS4_MLX_RESUME_PREFILL_MIN", "")
             try:
@@ -108,9 +119,18 @@ class Session:
             raise InferenceError(f"resume_prefill_min must be >= 1, got {resume_prefill_min}")
         if auto_checkpoints < 0 or kept_checkpoints < 0:
             raise InferenceError("checkpoint pool sizes must be >= 0")
+        model = getattr(model, "network", model)  # ds4_mlx.load()'s object works as well as its network
+        if not hasattr(model, "forward_chunk"):
+            raise InferenceError(f"Session needs a model from ds4_mlx.load(), got {type(model).__name__}")
         self.model = model
         self.config = model.config
-        self._rt = model.new_session(ctx=ctx, chunk=chunk)
+        if not isinstance(ctx, int) or isinstance(ctx, bool) or ctx < 2:
+            raise InferenceError(f"session ctx must be an integer >= 2, got {ctx!r}")
+        max_ctx = model.config.context_length
+        if ctx > max_ctx:
+            raise InferenceError(f"ctx {ctx} is larger than the model's context length {max_ctx}")
+        self._rt = model.new_session(ctx=ctx, chunk=chunk, compile=compile)
+        self.on_prefill: Callable[[int, int], None] | None = None
         self._model_id = model_id
         self.resume_prefill_min = resume_prefill_min
         self.auto_checkpoints = auto_checkpoints
@@ -130,6 +150,11 @@ class Session:
 
     @property
     def pos(self) -> int:
+        return self._rt.n_tokens
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens the live state holds (same as ``pos``)."""
         return self._rt.n_tokens
 
     @property
@@ -215,15 +240,20 @@ class Session:
     def _extend(self, suffix: list[int]) -> str:
         if not suffix:
             return "none"
+        hook, total = self.on_prefill, len(suffix)
         if len(suffix) < self.resume_prefill_min:
             for t in suffix:
                 self._feed([t])
+            if hook is not None:
+                hook(total, total)
             return "decode"
         i = 0
         while i < len(suffix):
             take = min(len(suffix) - i, self.chunk - self.pos % self.chunk)
             self._feed(suffix[i:i + take])
             i += take
+            if hook is not None:
+                hook(i, total)
         return "prefill"
 
     def _feed(self, tokens: list[int]) -> None:
@@ -335,8 +365,36 @@ class Session:
         return len(p.tokens)
 
     def load_payload_file(self, path) -> int:
-        with open(path, "rb") as fh:
-            return self.load_payload(fh)
+        try:
+            with open(path, "rb") as fh:
+                return self.load_payload(fh)
+        except OSError as exc:
+            raise PayloadError(f"cannot read session file {path}: {exc.strerror or exc}") from None
+
+    def save(self, path) -> int:
+        """Write the live state to a payload file at ``path``; returns the bytes written."""
+        chunks = self.payload_chunks()
+        try:
+            with open(path, "wb") as fh:
+                return payload_format.write(fh, chunks)
+        except OSError as exc:
+            raise PayloadError(f"cannot write session file {path}: {exc.strerror or exc}") from None
+
+    def load(self, path) -> int:
+        """Replace the live state with the payload file at ``path`` (see ``load_payload``)."""
+        return self.load_payload_file(path)
+
+    # -- description -----------------------------------------------------------------------------------
+
+    def memory_bytes(self) -> int:
+        """Bytes of the live state's arrays (the decode cache's, when decoding: its rows are
+        preallocated, so this is what the session holds, not only what its tokens fill)."""
+        return self._rt.nbytes()
+
+    def __repr__(self) -> str:
+        mib = self.memory_bytes() / (1 << 20)
+        return (f"Session(ctx={self.ctx}, tokens={self.pos}, chunk={self.chunk}, "
+                f"memory={mib:.1f} MiB, checkpoints={len(self._auto) + len(self._kept)})")
 
 
 def _push(pool: list[Snapshot], snap: Snapshot, cap: int) -> None:

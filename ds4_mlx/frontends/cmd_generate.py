@@ -14,6 +14,12 @@ the live session is saved as "continued" at every multiple of the continued step
 rounded up to the alignment: 10240 by default) during prefill and generation.
 ``--kv-cache-save-on-exit`` also stores the final state (ds4-server's shutdown save; off by
 default, see ``DiskCache``). The stats line reports the cached tokens.
+
+The run is ``ds4_mlx.stream_generate`` (``engine/generate.py``, the package's only decode loop);
+this module only prints its events: text to stdout, cache reports and notices to stderr on lines of
+their own, then the stats line (prompt, cached, prefill and generation speed, load time, time to
+first token, peak memory). Ctrl-C stops within a token: the stats line is still printed, exit 130.
+A prefill that runs over a second draws a progress bar when stderr is a terminal.
 """
 
 from __future__ import annotations
@@ -159,68 +165,141 @@ def _validate(args) -> None:
 
 
 def run(args) -> int:
-    from ds4_mlx.chat.template import DEFAULT_SYSTEM, ThinkMode
-    from ds4_mlx.engine.engine import Engine
-    from ds4_mlx.engine.sampling import SamplingParams, XorShiftRng, argmax, sample
-    from ds4_mlx.tokenizer.utf8_stream import Utf8StreamDecoder
+    import signal
+    import threading
 
     _validate(args)
     text = _read_prompt(args)
-    engine = Engine.open(args.model, numerics=args.numerics)
-    think = {"none": ThinkMode.NONE, "high": ThinkMode.HIGH, "max": ThinkMode.MAX}[args.think]
-    system = DEFAULT_SYSTEM if args.system is None else args.system
-    prompt = engine.encode_prompt(text, raw=args.raw, system=system, think=think, ctx=args.ctx)
-    if len(prompt) >= args.ctx:
-        raise CliUsageError(f"prompt has {len(prompt)} tokens, which does not fit --ctx {args.ctx}")
+    cancel = threading.Event()
+    # SIGINT sets the cancel flag the loop checks before every token and prefill chunk, so the
+    # run ends cleanly (stats printed, exit 130) instead of unwinding from inside a forward pass.
+    previous = signal.signal(signal.SIGINT, lambda *_: cancel.set()) \
+        if threading.current_thread() is threading.main_thread() else None
+    try:
+        return _run(args, text, cancel)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
+
+def _run(args, text: str, cancel) -> int:
+    from ds4_mlx.chat.template import DEFAULT_SYSTEM
+    from ds4_mlx.engine.engine import Engine
+    from ds4_mlx.engine.generate import stream_generate
+
+    engine = Engine.open(args.model, numerics=args.numerics)
+    if cancel.is_set():
+        return 130
+    if args.ctx > engine.context_length:
+        raise CliUsageError(f"--ctx {args.ctx} is larger than the model's context length {engine.context_length}")
     session = engine.new_session(ctx=args.ctx, chunk=args.prefill_chunk)
     disk = _open_disk_cache(engine, args) if args.kv_disk_dir else None
-    t0 = time.perf_counter()
-    if disk is not None:
-        report = disk.sync(session, prompt)
-        _report_sync(report)
-        prompt, cached = report.effective_prompt, report.cached_tokens
+    dump = bool(args.dump_logprobs)
+    out = _Output(sys.stdout, sys.stderr)
+    bar = _PrefillBar(sys.stderr)
+    kwargs = dict(max_tokens=args.tokens, temperature=0.0 if dump else args.temp, top_p=args.top_p,
+                  min_p=args.min_p, top_k=args.top_k, seed=args.seed or None, think=args.think,
+                  system=DEFAULT_SYSTEM if args.system is None else args.system, raw=args.raw,
+                  session=session, kv_cache=disk, kv_cache_save_on_exit=args.kv_cache_save_on_exit,
+                  logprobs=min(args.logprobs_top_k, 128) if dump else 0, progress=bar.update, cancel=cancel)
+    steps: list[dict] = []
+    done = None
+    try:
+        for ev in stream_generate(engine, text, **kwargs):
+            if ev.kind in ("reasoning", "content", "tool_call"):
+                bar.close()
+                if dump:
+                    if ev.token is not None:
+                        steps.append(_step_json(engine.tokenizer, len(steps), ev.token, ev.top_logprobs))
+                else:
+                    out.text(ev.text)
+            elif ev.kind in ("cache", "notice"):
+                out.notice(ev.text)
+            elif ev.kind == "done":
+                done = ev
+    finally:
+        bar.close()
+    if dump:
+        if done.token is not None:  # the EOS step: ds4 writes it too
+            steps.append(_step_json(engine.tokenizer, len(steps), done.token, done.top_logprobs))
+        _write_dump(args, done.result.stats.prompt_tokens, steps)
     else:
-        session.sync(prompt)
-        cached = 0
-    t1 = time.perf_counter()
-    room = args.ctx - len(prompt)
-    max_tokens = 0 if room <= 1 else min(args.tokens, room - 1)
+        out.text("\n")
+    out.end()
+    print(f"ds4-mlx: {done.stats.summary()}", file=sys.stderr)
+    return 130 if done.finish_reason == "cancelled" else 0
 
-    if args.dump_logprobs:
-        rc = _dump_logprobs(engine, session, prompt, args, max_tokens, disk)
-        _close(disk, session, args)
-        return rc
 
-    params = SamplingParams(temperature=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
-    rng = XorShiftRng(args.seed or None)
-    decoder = Utf8StreamDecoder(engine.tokenizer)
-    out = sys.stdout
-    generated = 0
-    t2 = time.perf_counter()
-    while generated < max_tokens:
-        logits = session.logits()
-        token = argmax(logits) if params.greedy else sample(logits, params, rng)
-        if token == engine.eos_id:
-            break
-        out.write(decoder.feed(token))
-        out.flush()
-        generated += 1
-        if generated >= max_tokens:
-            break
-        session.eval(token)
-        _after_eval(disk, session)
-    out.write(decoder.flush())
-    out.write("\n")
-    out.flush()
-    t3 = time.perf_counter()
-    _close(disk, session, args)
-    computed = len(prompt) - cached
-    prefill_tps = computed / (t1 - t0) if t1 > t0 and computed else 0.0
-    gen_tps = generated / (t3 - t2) if t3 > t2 and generated else 0.0
-    print(f"ds4-mlx: prompt: {len(prompt)} tokens ({cached} cached), prefill: {prefill_tps:.2f} t/s, "
-          f"generation: {gen_tps:.2f} t/s ({generated} tokens)", file=sys.stderr)
-    return 0
+class _Output:
+    """Generated text to stdout; one-line notices to stderr, never in the middle of a text line
+    (a notice that arrives mid-line waits for the line to end)."""
+
+    def __init__(self, out, err):
+        self.out, self.err = out, err
+        self.at_line_start = True
+        self.held: list[str] = []
+
+    def text(self, piece: str) -> None:
+        if not piece:
+            return
+        cut = piece.rfind("\n") + 1
+        if self.held and cut:  # release held notices right after the piece's last line break
+            self.out.write(piece[:cut])
+            self.out.flush()
+            self._release()
+            piece = piece[cut:]
+            self.at_line_start = True
+        if piece:
+            self.out.write(piece)
+            self.at_line_start = piece.endswith("\n")
+        self.out.flush()
+
+    def notice(self, line: str) -> None:
+        self.held.append(line)
+        if self.at_line_start:
+            self._release()
+
+    def _release(self) -> None:
+        for line in self.held:
+            print(f"ds4-mlx: {line}", file=self.err, flush=True)
+        self.held.clear()
+
+    def end(self) -> None:
+        self._release()
+
+
+class _PrefillBar:
+    """A tqdm bar on a terminal for prefills that take over a second; nothing when piped."""
+
+    DELAY_S = 1.0
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.tty = hasattr(stream, "isatty") and stream.isatty()
+        self.bar = None
+        self.t0 = time.perf_counter()  # the prefill starts right after the bar is made
+
+    def update(self, done: int, total: int, tps: float) -> None:
+        if not self.tty:
+            return
+        if self.bar is not None and (total != self.bar.total or done < self.bar.n):
+            self.close()  # a new prefill segment (the disk cache syncs in several)
+        if self.bar is None:
+            if time.perf_counter() - self.t0 < self.DELAY_S or done >= total:
+                return
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="tok", desc="prefill", file=self.stream, leave=False,
+                            dynamic_ncols=True)
+        if done > self.bar.n:
+            self.bar.update(done - self.bar.n)
+        if done >= total:
+            self.close()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
 def _open_disk_cache(engine, args):
@@ -234,39 +313,6 @@ def _open_disk_cache(engine, args):
     return DiskCache(engine, args.kv_disk_dir, args.kv_disk_space_mb, ctx=args.ctx, options=opts)
 
 
-def _report_save(res) -> None:
-    if res.stored:
-        print(f"ds4-mlx: kv cache stored {res.tokens} tokens ({res.reason}) in {res.path}", file=sys.stderr)
-    else:  # as ds4: a failed or skipped save is reported, the run goes on
-        print(f"ds4-mlx: kv cache store {res.status} ({res.reason}, {res.tokens} tokens): {res.detail}",
-              file=sys.stderr)
-
-
-def _report_sync(report) -> None:
-    for why in report.refused:
-        print(f"ds4-mlx: kv cache refused {why}", file=sys.stderr)
-    if report.hit_path is not None:
-        by = report.source.removeprefix("disk-")
-        print(f"ds4-mlx: kv cache hit: {report.cached_tokens} tokens ({by}) from {report.hit_path}",
-              file=sys.stderr)
-    for res in report.saved:
-        _report_save(res)
-
-
-def _after_eval(disk, session) -> None:
-    if disk is not None:
-        res = disk.after_eval(session)
-        if res is not None:
-            _report_save(res)
-
-
-def _close(disk, session, args) -> None:
-    if disk is not None and args.kv_cache_save_on_exit:
-        res = disk.close(session)
-        if res is not None:
-            _report_save(res)
-
-
 def _token_json(tokenizer, token: int) -> dict:
     """ds4's json_write_token: a piece that is not valid UTF-8 on its own (half a character) is
     written byte by byte as U+0000..U+00FF; ``bytes`` is authoritative either way."""
@@ -278,30 +324,21 @@ def _token_json(tokenizer, token: int) -> dict:
     return {"id": token, "text": text, "bytes": list(raw)}
 
 
-def _dump_logprobs(engine, session, prompt, args, max_tokens: int, disk=None) -> int:
-    """Same shape and key order as ds4's run_logprob_dump: greedy steps with top-k logprobs."""
-    from ds4_mlx.engine.sampling import argmax, top_logprobs
+def _step_json(tokenizer, step: int, token: int, top) -> dict:
+    """One step of ds4's run_logprob_dump, from the API's logprobs (same key order)."""
+    return {
+        "step": step,
+        "selected": _token_json(tokenizer, token),
+        "top_logprobs": [{"token": _token_json(tokenizer, s.id), "logit": s.logit, "logprob": s.logprob}
+                         for s in top],
+    }
 
+
+def _write_dump(args, prompt_tokens: int, steps: list[dict]) -> None:
     k = min(args.logprobs_top_k, 128)
-    steps = []
-    for step in range(max_tokens):
-        logits = session.logits()
-        scores = top_logprobs(logits, k)
-        token = argmax(logits)
-        steps.append({
-            "step": step,
-            "selected": _token_json(engine.tokenizer, token),
-            "top_logprobs": [{"token": _token_json(engine.tokenizer, s.id), "logit": s.logit, "logprob": s.logprob}
-                             for s in scores],
-        })
-        if token == engine.eos_id:
-            break
-        session.eval(token)
-        _after_eval(disk, session)
-    doc = {"source": "ds4-mlx", "prompt_tokens": len(prompt), "ctx": args.ctx, "top_k": k, "steps": steps}
+    doc = {"source": "ds4-mlx", "prompt_tokens": prompt_tokens, "ctx": args.ctx, "top_k": k, "steps": steps}
     try:
         Path(args.dump_logprobs).write_text(json.dumps(doc, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
     except OSError as exc:
         raise CliUsageError(f"cannot write --dump-logprobs {args.dump_logprobs}: {exc.strerror or exc}") from None
     print(f"ds4-mlx: wrote {len(steps)} steps to {args.dump_logprobs}", file=sys.stderr)
-    return 0

@@ -1,9 +1,12 @@
-"""Minimal inference session over a ``Model``: prefill, one-token eval, next-token logits.
+"""The model-level runner under ``engine.session.Session``: prefill, one-token eval, next-token logits.
+
+Internal: users hold an engine ``Session`` (``ds4_mlx.Session``), which adds sync, snapshots,
+payloads and sampling on top of this; tests of the forward pass drive a runner directly.
 
 Prefill runs in chunks whose boundaries are absolute multiples of ``chunk`` (ds4's 2048 by
 default), so a session resumed from any checkpoint executes the same chunks as a cold prefill of
 the whole prompt would from that point on. ``eval(token)`` feeds one token (see Decode). The engine layer
-builds sampling, snapshots and the KV store on top of this.
+builds sampling, snapshots and the KV store on top of this (``engine/session.py``).
 
 Decode. In DEFAULT numerics a one-token feed (``eval``, or ``prefill`` of one token, which is how
 the engine decodes) runs the compiled decode step (``compiled_decode``) on a fixed-shape
@@ -35,7 +38,7 @@ def _compile_default() -> bool:
     return os.environ.get("DS4_MLX_COMPILE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-class Session:
+class Runner:
     def __init__(self, model, ctx: int | None = None, chunk: int = 2048, compile: bool | None = None):
         cfg = model.config
         if chunk < 1:
@@ -121,6 +124,11 @@ class Session:
         if self._logits is None:
             raise InferenceError("no logits yet: feed at least one token first")
         return np.array(self._logits, dtype=np.float32)
+
+    def nbytes(self) -> int:
+        """Bytes of the live state's arrays, read from whichever form is held (no conversion)."""
+        arrays = self._cache.arrays() if self._cache is not None else self._state.arrays()
+        return sum(a.nbytes for a in arrays)
 
     def snapshot(self) -> tuple[ModelState, list[int], mx.array | None]:
         return self.state.copy(), list(self.tokens), self._logits

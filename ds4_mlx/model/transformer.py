@@ -126,9 +126,10 @@ class Model:
         return logits, new_state
 
     def new_session(self, ctx: int | None = None, chunk: int = 2048, compile: bool | None = None):
-        from ds4_mlx.model.runner import Session
+        """A model-level ``Runner`` (prefill / eval / logits); users want ``engine.session.Session``."""
+        from ds4_mlx.model.runner import Runner
 
-        return Session(self, ctx=ctx, chunk=chunk, compile=compile)
+        return Runner(self, ctx=ctx, chunk=chunk, compile=compile)
 
 
 def _check_finite(x: mx.array, what: str, where: str, source) -> None:
