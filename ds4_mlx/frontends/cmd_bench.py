@@ -141,7 +141,7 @@ def run(args) -> int:
         raise CliUsageError(f"-m {args.model}: no such model file")
 
     engine = Engine.open(args.model, numerics=args.numerics)
-    context_length = engine.model.config.context_length
+    context_length = engine.context_length
     if n["ctx_max"] + n["gen"] > context_length:
         raise CliUsageError(f"--ctx-max + --gen = {n['ctx_max'] + n['gen']} exceeds the model's context of "
                             f"{context_length} tokens")
