@@ -29,7 +29,7 @@ echo "== kernel tests (GPU + nvcc compile)"
 timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "gpu or nvcc or twin" || status=1
 
 echo "== bench_kernels (real shapes)"
-timeout 240 "$PY" benchmarks/bench_kernels.py --quick ${PEAK_GBS:+--peak-gbs "$PEAK_GBS"} || status=1
+timeout 240 "$PY" benchmarks/bench_kernels.py ${PEAK_GBS:+--peak-gbs "$PEAK_GBS"} || status=1
 
 echo "== gpu_check: $([ $status -eq 0 ] && echo PASS || echo FAIL)"
 exit $status

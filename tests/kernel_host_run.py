@@ -8,6 +8,8 @@ interleavings and sanitisers is being built in ``tests/kernel_shim/``):
   barrier, so a reduction reached by only some lanes deadlocks (the run has a timeout);
 * threadgroup / ``__shared__`` memory as function statics (shared by the group's threads); the 8x8
   simdgroup matrices of Metal, each lane holding the whole matrix and storing its own two elements;
+* built with ASan and UBSan (reads or writes past a buffer, misaligned typed loads abort the run),
+  threadgroups run in a shuffled order and canaries follow the outputs, so a stray write shows;
 * the signature MLX generates (template ints as ``template`` parameters for Metal, ``constexpr int``
   locals for CUDA), the launch geometry MLX uses (CUDA: ceil(grid / block) blocks of full size; the
   wrappers only launch whole threadgroups, so Metal sees the same).
@@ -180,26 +182,38 @@ def host_source(launches: list[HostLaunch], dialect: str) -> str:
         dispatch.append(textwrap.dedent(f"""
             if (which == {idx}) {{
                 {loads}
-                std::vector<float> out({n_out}, -12345.0f);
+                std::vector<float> out({n_out} + 64, -12345.0f);
                 std::barrier<> gbar({nt});
                 g_group_bar = &gbar;
                 std::vector<std::barrier<>*> sgb;
                 for (uint s = 0; s < {max(1, nt // 32)}u; ++s) sgb.push_back(new std::barrier<>(32));
                 g_sg_bar = sgb;
+                // threadgroups in a shuffled order (a stray write into another group's outputs is then
+                // overwritten or not depending on order, so it shows); canaries after the outputs
+                std::vector<uint> order({ngx * ngy * ngz});
+                for (uint i = 0; i < order.size(); ++i) order[i] = i;
+                uint64_t seed = 0x9e3779b97f4a7c15ull ^ {idx}u;
+                for (size_t i = order.size(); i > 1; --i) {{
+                    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+                    std::swap(order[i - 1], order[(seed >> 33) % i]);
+                }}
                 std::vector<host_thread> threads;
                 for (uint tid = 0; tid < {nt}u; ++tid) {{
                     threads.emplace_back([&, tid] {{
                         g_tid = tid;
-                        for (uint gz = 0; gz < {ngz}u; ++gz)
-                            for (uint gy = 0; gy < {ngy}u; ++gy)
-                                for (uint gx = 0; gx < {ngx}u; ++gx) {{
-                                    {set_idx}
-                                    kernel_{idx}{call_t}({', '.join(args + ['out.data()'] + call_attrs)});
-                                    host_group_barrier();  // next group reuses the threadgroup memory
-                                }}
+                        for (uint g : order) {{
+                            const uint gx = g % {ngx}u, gy = (g / {ngx}u) % {ngy}u, gz = g / ({ngx}u * {ngy}u);
+                            {set_idx}
+                            kernel_{idx}{call_t}({', '.join(args + ['out.data()'] + call_attrs)});
+                            host_group_barrier();  // next group reuses the threadgroup memory
+                        }}
                     }});
                 }}
                 for (auto& t : threads) t.join();
+                for (auto* b : sgb) delete b;
+                for (size_t i = {n_out}; i < out.size(); ++i)
+                    if (out[i] != -12345.0f) {{ std::fprintf(stderr, "write past the output end\\n"); return 4; }}
+                out.resize({n_out});
                 FILE* f = std::fopen(argv[{2 + len(ln.inputs)}], "wb");
                 std::fwrite(out.data(), sizeof(float), out.size(), f);
                 std::fclose(f);
@@ -216,6 +230,7 @@ def run_on_host(launches: list[HostLaunch], dialect: str, tmp_path, timeout: flo
     exe = tmp_path / f"kernels_{dialect}"
     src.write_text(host_source(launches, dialect))
     proc = subprocess.run(["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-pthread", "-Wall",
+                           "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
                            "-Wno-unused-variable", "-Wno-unused-but-set-variable", "-Wno-unused-function",
                            str(src), "-o", str(exe)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]

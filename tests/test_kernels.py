@@ -240,8 +240,11 @@ needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ (C++20) 
 
 
 @needs_gxx
-@pytest.mark.parametrize("dialect", mk.DIALECTS)
+@pytest.mark.parametrize("dialect", ["metal", pytest.param("cuda", marks=pytest.mark.slow)])
 def test_kernels_on_host_match_reference(dialect, tmp_path):
+    # ~2 minutes per dialect on a quiet 2-core machine (ASan build, 128 host threads per threadgroup);
+    # the CUDA dialect shares every line but the prologue, the warp shuffles and the prefill's SIMT
+    # branch, so locally it is a `slow` case (CI runs it)
     launches, checks = _host_cases(np.random.default_rng(1234))
     outputs = run_on_host(launches, dialect, tmp_path)
     for ln, got, (ref, bound) in zip(launches, outputs, checks):
