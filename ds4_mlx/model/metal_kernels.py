@@ -1,20 +1,33 @@
-"""Metal kernels that multiply raw GGUF blocks (``mx.fast.metal_kernel``), and their MLX-ops twins.
+"""GPU kernels that multiply raw GGUF blocks (``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel``), and
+their MLX-ops twins.
 
-Each kernel has a twin with the same signature built from MLX ops (``quants_mlx`` dequantization + matmul);
-the twin is the kernel's reference, and the CPU backend runs the same computation (``expert_matmul_dense``
-on dequantized experts, which ``ExpertWeights`` caches). The block decoders in
-``kernels/quant_common.metal`` repeat the float operations of ``ds4_mlx.formats.quants`` in the same order
-(bit-exact in the host compile of the tests; the Metal compiler may still fuse a multiply-subtract), so
-kernel and twin differ essentially by the order of the dot-product sums.
+One design, two dialects. The block decoders and dot products (``kernels/quant_common.h``) and the kernel
+bodies (``kernels/*.body``) are written once against a few ``DS4_*`` names; ``kernels/dialect_metal.h``
+and ``kernels/dialect_cuda.cuh`` give those names their Metal or CUDA meaning (address spaces, barrier,
+SIMD-group sum, f16 bits), and a two-line prologue per dialect names the thread and group indices. Only
+the prefill multiply differs by more than spelling (``#if DS4_METAL``: 8x8 simdgroup matrices on Metal,
+register-blocked FMAs on CUDA, which has no fp32-input tensor-core MMA). A shared source was chosen over
+generating two files from a template because the logic worth sharing is the quant decoding, where a
+divergence between dialects would be a silent numerics bug; both compilers take the one file.
 
-* ``q8_0_matvec``: ``y[r] = W x[r]`` for a Q8_0 matrix kept as its raw 34-byte blocks.
-* ``expert_matmul``: pairs ``p`` multiply expert slab ``slot[p]`` (of the gathered raw slabs
-  ``[u, out, row_bytes]``) by input row ``rows[p]``; the kernel path uses ``expert_matvec`` (one
-  simdgroup per pair and output row) for a few pairs and ``expert_gather_mm`` (pairs sorted by expert,
-  tiles of ``GATHER_TILE`` pairs sharing each dequantized chunk) for prefill batches.
+Each kernel has a twin with the same signature built from MLX ops (``quants_mlx`` dequantization +
+matmul); the twin is the kernel's reference, and the CPU backend runs the same computation
+(``expert_matmul_dense`` on dequantized experts, which ``ExpertWeights`` caches).
 
-The kernel sources live in ``ds4_mlx/kernels/*.metal``; ``kernel_sources`` returns exactly the header and
-body handed to ``mx.fast.metal_kernel`` (tests also compile them on the host through a C++ shim).
+* ``expert_matvec`` (decode, and Q8_0 for a few rows): NR rows per SIMD group, the 32-float activation
+  chunk in registers for all of them, IQ2 grid and sign tables staged in threadgroup memory, the block
+  scale applied once per chunk and the K-quant minimum folded as ``dmin * m * sum(x)``.
+* ``expert_swiglu`` (decode): gate and up of the same pairs in one pass over x, writing ds4's clamped
+  SwiGLU ``silu(min(g, c)) * clip(u, -c, c)``.
+* ``expert_gather_mm`` (prefill, and Q8_0 for many rows): pairs sorted by expert in tiles of
+  ``GATHER_TILE``; 32x32 weight tiles dequantized into threadgroup memory and multiplied as 8x8
+  simdgroup matrices.
+
+Numerical contract (tests/test_kernels.py): the prefill tiles hold exactly the twin's dequantized weights,
+so ``expert_gather_mm`` differs from the twin only by summation order (|diff| <= 2e-6 * sum|w||x| per
+output); the decode kernels reassociate the per-block scale and minimum, bound 1e-5 * sum(|w| + |m|)|x|
+(``m`` the K-quant minimum term) per output; ``expert_swiglu`` inherits the gate/up bound through the
+SwiGLU (Lipschitz, plus exp's few ulps).
 """
 
 from __future__ import annotations
@@ -31,18 +44,34 @@ from ds4_mlx.formats.ggml_types import BLOCK_GEOMETRY, GGMLType
 from ds4_mlx.formats.iq2xxs_tables import IQ2XXS_GRID
 from ds4_mlx.formats.quants_mlx import dequantize_rows_mlx
 
-# simdgroups (output rows) per threadgroup, and pairs per tile of the gathered matmul
-ROWS_PER_THREADGROUP = 4
-GATHER_TILE = 8
+# decode kernels: SIMD groups per threadgroup, output rows per SIMD group
+MATVEC_SIMDGROUPS = 4
+MATVEC_ROWS = 4
+# prefill: output rows per threadgroup (fixed by the body: 4 SIMD groups x 8 rows) and pairs per tile
+GATHER_ROWS = 32
+GATHER_THREADS = 128
+GATHER_TILE = 16
 # up to this many pairs a call uses the matvec kernel (decode: k experts of one token)
 MATVEC_MAX_PAIRS = 16
+# Q8_0 (dense weights): the matvec up to this many input rows; beyond, the tiled kernel reuses each
+# dequantized weight tile across GATHER_TILE rows instead of re-reading the weights per row
+Q8_MATVEC_MAX_ROWS = 4
 
-_HEADER_FILE = "quant_common.metal"
+DIALECTS = ("metal", "cuda")
+_PRELUDES = {"metal": "dialect_metal.h", "cuda": "dialect_cuda.cuh"}
+_PROLOGUES = {
+    "metal": ("const uint ds4_tid = thread_index_in_threadgroup;\n"
+              "const uint ds4_gx = threadgroup_position_in_grid.x;\n"
+              "const uint ds4_gy = threadgroup_position_in_grid.y;\n"),
+    "cuda": ("const uint ds4_tid = threadIdx.x;\n"
+             "const uint ds4_gx = blockIdx.x;\n"
+             "const uint ds4_gy = blockIdx.y;\n"),
+}
 
 
 @dataclass(frozen=True)
 class KernelSpec:
-    """What ``mx.fast.metal_kernel`` is built from."""
+    """What ``mx.fast.metal_kernel`` / ``cuda_kernel`` is built from."""
 
     name: str
     body_file: str
@@ -52,11 +81,12 @@ class KernelSpec:
 
 
 KERNELS: dict[str, KernelSpec] = {
-    "q8_0_matvec": KernelSpec("ds4_q8_0_matvec", "q8_0_matvec.metal", ("w", "x"), ("y",),
-                              ("N_IN", "N_OUT", "ROW_BYTES")),
-    "expert_matvec": KernelSpec("ds4_expert_matvec", "expert_matvec.metal", ("w", "x", "pair_slot", "pair_row"),
-                                ("y",), ("QT", "N_IN", "N_OUT", "ROW_BYTES")),
-    "expert_gather_mm": KernelSpec("ds4_expert_gather_mm", "expert_gather_mm.metal",
+    "expert_matvec": KernelSpec("ds4_expert_matvec", "expert_matvec.body", ("w", "x", "pair_slot", "pair_row"),
+                                ("y",), ("QT", "N_IN", "N_OUT", "ROW_BYTES", "NSG", "NR")),
+    "expert_swiglu": KernelSpec("ds4_expert_swiglu", "expert_swiglu.body",
+                                ("wg", "wu", "x", "pair_slot", "pair_row", "clamp"), ("y",),
+                                ("QT", "N_IN", "N_OUT", "ROW_BYTES", "NSG", "NR")),
+    "expert_gather_mm": KernelSpec("ds4_expert_gather_mm", "expert_gather_mm.body",
                                    ("w", "x", "tile_slot", "tile_start", "tile_count", "rows"), ("y",),
                                    ("QT", "N_IN", "N_OUT", "ROW_BYTES", "TP")),
 }
@@ -72,20 +102,24 @@ def _read_kernel_file(name: str) -> str:
 
 
 @lru_cache(maxsize=None)
-def kernel_sources(key: str) -> tuple[str, str]:
-    """(header, body) of kernel ``key`` as handed to ``mx.fast.metal_kernel``."""
+def kernel_sources(key: str, dialect: str = "metal") -> tuple[str, str]:
+    """(header, body) of kernel ``key`` as handed to ``mx.fast.metal_kernel`` (or ``cuda_kernel``)."""
+    if dialect not in DIALECTS:
+        raise ValueError(f"unknown kernel dialect {dialect!r} (expected one of {DIALECTS})")
     spec = KERNELS[key]
     grid = ", ".join(f"0x{v:016x}UL" for v in IQ2XXS_GRID)
-    header = _read_kernel_file(_HEADER_FILE).replace("@IQ2XXS_GRID@", grid)
-    return header, _read_kernel_file(spec.body_file)
+    common = _read_kernel_file("quant_common.h").replace("@IQ2XXS_GRID@", grid)
+    header = _read_kernel_file(_PRELUDES[dialect]) + "\n" + common
+    return header, _PROLOGUES[dialect] + _read_kernel_file(spec.body_file)
 
 
 @lru_cache(maxsize=None)
-def _kernel(key: str):
+def _kernel(key: str, dialect: str = "metal"):
     spec = KERNELS[key]
-    header, body = kernel_sources(key)
-    return mx.fast.metal_kernel(name=spec.name, input_names=list(spec.input_names),
-                                output_names=list(spec.output_names), source=body, header=header)
+    header, body = kernel_sources(key, dialect)
+    make = mx.fast.metal_kernel if dialect == "metal" else mx.fast.cuda_kernel
+    return make(name=spec.name, input_names=list(spec.input_names), output_names=list(spec.output_names),
+                source=body, header=header)
 
 
 def _geometry(qtype: GGMLType, row_bytes: int) -> int:
@@ -100,6 +134,18 @@ def _check_x(x: mx.array, n_in: int, what: str) -> None:
         raise LayoutError(f"{what}: input rows must be [R, {n_in}], got {tuple(x.shape)}")
 
 
+def matvec_launch(out_dim: int, n_pairs: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """(grid, threadgroup) of the decode kernels: always whole threadgroups (no partial groups)."""
+    per_group = MATVEC_SIMDGROUPS * MATVEC_ROWS
+    threads = 32 * MATVEC_SIMDGROUPS
+    return ((out_dim + per_group - 1) // per_group * threads, n_pairs, 1), (threads, 1, 1)
+
+
+def gather_launch(out_dim: int, n_tiles: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """(grid, threadgroup) of the prefill kernel."""
+    return ((out_dim + GATHER_ROWS - 1) // GATHER_ROWS * GATHER_THREADS, n_tiles, 1), (GATHER_THREADS, 1, 1)
+
+
 # --------------------------------------------------------------------------------------------------
 # Q8_0 matrix-vector
 
@@ -111,19 +157,18 @@ def q8_0_matvec_twin(w_raw: mx.array, x: mx.array) -> mx.array:
     return mx.matmul(x.astype(mx.float32), dequantize_rows_mlx(w_raw, GGMLType.Q8_0).T)
 
 
-def q8_0_matvec_kernel(w_raw: mx.array, x: mx.array) -> mx.array:
-    """Metal kernel: same contract as ``q8_0_matvec_twin``."""
-    out_dim, row_bytes = w_raw.shape
-    n_in = _geometry(GGMLType.Q8_0, row_bytes)
+def q8_0_matvec_kernel(w_raw: mx.array, x: mx.array, dialect: str = "metal") -> mx.array:
+    """GPU kernel, same contract as ``q8_0_matvec_twin``: the matvec kernel for up to
+    ``Q8_MATVEC_MAX_ROWS`` rows, the tiled kernel (weights read once per tile of rows) beyond."""
+    if w_raw.ndim != 2:
+        raise LayoutError(f"q8_0_matvec: weights must be [out, row_bytes], got {tuple(w_raw.shape)}")
+    n_in = _geometry(GGMLType.Q8_0, w_raw.shape[1])
     _check_x(x, n_in, "q8_0_matvec")
     R = x.shape[0]
-    (y,) = _kernel("q8_0_matvec")(
-        inputs=[w_raw, x.astype(mx.float32)],
-        template=[("N_IN", n_in), ("N_OUT", out_dim), ("ROW_BYTES", row_bytes)],
-        grid=(32, out_dim, R), threadgroup=(32, ROWS_PER_THREADGROUP, 1),
-        output_shapes=[(R, out_dim)], output_dtypes=[mx.float32],
-    )
-    return y
+    slot = np.zeros(R, dtype=np.int64)
+    rows = np.arange(R, dtype=np.int64)
+    fn = expert_matvec_kernel if R <= Q8_MATVEC_MAX_ROWS else expert_gather_mm_kernel
+    return fn(w_raw[None], GGMLType.Q8_0, x, slot, rows, dialect=dialect)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -186,19 +231,76 @@ def expert_matmul_twin(slabs: mx.array, qtype: GGMLType, x: mx.array, slot, rows
     return expert_matmul_dense([w[s] for s in range(w.shape[0])], x, slot, rows)
 
 
-def expert_matvec_kernel(slabs: mx.array, qtype: GGMLType, x: mx.array, slot, rows) -> mx.array:
-    """Metal kernel, one simdgroup per (pair, output row): same contract as ``expert_matmul_twin``."""
+def _i32(v) -> mx.array:
+    return mx.array(np.asarray(v).astype(np.int32))
+
+
+def expert_matvec_kernel(slabs: mx.array, qtype: GGMLType, x: mx.array, slot, rows,
+                         dialect: str = "metal") -> mx.array:
+    """Decode kernel (NR rows per SIMD group): same contract as ``expert_matmul_twin``."""
     qtype = GGMLType(qtype)
     n_in, slot, rows = _check_pairs(slabs, qtype, x, slot, rows, "expert_matvec")
     _, out_dim, row_bytes = slabs.shape
     P = slot.size
     if P == 0:
         return mx.zeros((0, out_dim), dtype=mx.float32)
-    (y,) = _kernel("expert_matvec")(
-        inputs=[slabs, x.astype(mx.float32), mx.array(slot.astype(np.int32)), mx.array(rows.astype(np.int32))],
-        template=[("QT", int(qtype)), ("N_IN", n_in), ("N_OUT", out_dim), ("ROW_BYTES", row_bytes)],
-        grid=(32, out_dim, P), threadgroup=(32, ROWS_PER_THREADGROUP, 1),
-        output_shapes=[(P, out_dim)], output_dtypes=[mx.float32],
+    grid, group = matvec_launch(out_dim, P)
+    (y,) = _kernel("expert_matvec", dialect)(
+        inputs=[slabs, x.astype(mx.float32), _i32(slot), _i32(rows)],
+        template=[("QT", int(qtype)), ("N_IN", n_in), ("N_OUT", out_dim), ("ROW_BYTES", row_bytes),
+                  ("NSG", MATVEC_SIMDGROUPS), ("NR", MATVEC_ROWS)],
+        grid=grid, threadgroup=group, output_shapes=[(P, out_dim)], output_dtypes=[mx.float32],
+    )
+    return y
+
+
+def swiglu_twin(gate: mx.array, up: mx.array, clamp: float) -> mx.array:
+    """ds4's clamped SwiGLU, as ``ds4_mlx.model.moe`` applies it (DEFAULT numerics)."""
+    from ds4_mlx.model.numerics import Numerics, silu
+
+    c = float(clamp)
+    return silu(mx.minimum(gate, c), Numerics.DEFAULT) * mx.clip(up, -c, c)
+
+
+def _check_clamp(clamp) -> float:
+    c = float(clamp)
+    if not np.isfinite(c) or c <= 0.0:
+        raise LayoutError(f"expert_swiglu: the SwiGLU clamp must be a positive finite number, got {clamp!r}")
+    return c
+
+
+def expert_swiglu_twin(gate_slabs: mx.array, up_slabs: mx.array, qtype: GGMLType, x: mx.array, slot, rows,
+                       clamp: float) -> mx.array:
+    """MLX-ops twin of the fused kernel: swiglu(gate pairs, up pairs) -> float32 [P, out]."""
+    c = _check_clamp(clamp)
+    if tuple(gate_slabs.shape) != tuple(up_slabs.shape):
+        raise LayoutError(f"expert_swiglu: gate slabs {tuple(gate_slabs.shape)} and up slabs "
+                          f"{tuple(up_slabs.shape)} differ")
+    g = expert_matmul_twin(gate_slabs, qtype, x, slot, rows)
+    u = expert_matmul_twin(up_slabs, qtype, x, slot, rows)
+    return swiglu_twin(g, u, c)
+
+
+def expert_swiglu_kernel(gate_slabs: mx.array, up_slabs: mx.array, qtype: GGMLType, x: mx.array, slot, rows,
+                         clamp: float, dialect: str = "metal") -> mx.array:
+    """Fused decode kernel (gate and up in one pass over x): same contract as ``expert_swiglu_twin``."""
+    qtype = GGMLType(qtype)
+    c = _check_clamp(clamp)
+    if tuple(gate_slabs.shape) != tuple(up_slabs.shape):
+        raise LayoutError(f"expert_swiglu: gate slabs {tuple(gate_slabs.shape)} and up slabs "
+                          f"{tuple(up_slabs.shape)} differ")
+    n_in, slot, rows = _check_pairs(gate_slabs, qtype, x, slot, rows, "expert_swiglu")
+    _, out_dim, row_bytes = gate_slabs.shape
+    P = slot.size
+    if P == 0:
+        return mx.zeros((0, out_dim), dtype=mx.float32)
+    grid, group = matvec_launch(out_dim, P)
+    (y,) = _kernel("expert_swiglu", dialect)(
+        inputs=[gate_slabs, up_slabs, x.astype(mx.float32), _i32(slot), _i32(rows),
+                mx.array([c], dtype=mx.float32)],
+        template=[("QT", int(qtype)), ("N_IN", n_in), ("N_OUT", out_dim), ("ROW_BYTES", row_bytes),
+                  ("NSG", MATVEC_SIMDGROUPS), ("NR", MATVEC_ROWS)],
+        grid=grid, threadgroup=group, output_shapes=[(P, out_dim)], output_dtypes=[mx.float32],
     )
     return y
 
@@ -220,27 +322,30 @@ def gather_tiles(slot: np.ndarray, tile: int = GATHER_TILE):
     return order, inverse, as_i32(slots), as_i32(starts), as_i32(counts)
 
 
-def expert_gather_mm_kernel(slabs: mx.array, qtype: GGMLType, x: mx.array, slot, rows) -> mx.array:
-    """Metal kernel, pairs grouped by expert in tiles: same contract as ``expert_matmul_twin``."""
+def expert_gather_mm_kernel(slabs: mx.array, qtype: GGMLType, x: mx.array, slot, rows,
+                            dialect: str = "metal") -> mx.array:
+    """Prefill kernel, pairs grouped by expert in tiles: same contract as ``expert_matmul_twin``."""
     qtype = GGMLType(qtype)
     n_in, slot, rows = _check_pairs(slabs, qtype, x, slot, rows, "expert_gather_mm")
     _, out_dim, row_bytes = slabs.shape
     if slot.size == 0:
         return mx.zeros((0, out_dim), dtype=mx.float32)
     order, inverse, t_slot, t_start, t_count = gather_tiles(slot)
-    (y,) = _kernel("expert_gather_mm")(
+    grid, group = gather_launch(out_dim, t_slot.size)
+    (y,) = _kernel("expert_gather_mm", dialect)(
         inputs=[slabs, x.astype(mx.float32), mx.array(t_slot), mx.array(t_start), mx.array(t_count),
-                mx.array(rows[order].astype(np.int32))],
+                _i32(rows[order])],
         template=[("QT", int(qtype)), ("N_IN", n_in), ("N_OUT", out_dim), ("ROW_BYTES", row_bytes),
                   ("TP", GATHER_TILE)],
-        grid=(32, out_dim, t_slot.size), threadgroup=(32, ROWS_PER_THREADGROUP, 1),
-        output_shapes=[(slot.size, out_dim)], output_dtypes=[mx.float32],
+        grid=grid, threadgroup=group, output_shapes=[(slot.size, out_dim)], output_dtypes=[mx.float32],
     )
-    return mx.take(y, mx.array(inverse), axis=0)
+    sorted_already = bool(np.all(order[1:] > order[:-1]))
+    return y if sorted_already else mx.take(y, mx.array(inverse), axis=0)
 
 
-def expert_matmul_kernel(slabs: mx.array, qtype: GGMLType, x: mx.array, slot, rows) -> mx.array:
-    """Metal path of ``expert_matmul``: matvec kernel for a few pairs, gathered matmul kernel beyond."""
+def expert_matmul_kernel(slabs: mx.array, qtype: GGMLType, x: mx.array, slot, rows,
+                         dialect: str = "metal") -> mx.array:
+    """GPU path of ``expert_matmul``: matvec kernel for a few pairs, gathered matmul kernel beyond."""
     if np.asarray(slot).size <= MATVEC_MAX_PAIRS:
-        return expert_matvec_kernel(slabs, qtype, x, slot, rows)
-    return expert_gather_mm_kernel(slabs, qtype, x, slot, rows)
+        return expert_matvec_kernel(slabs, qtype, x, slot, rows, dialect=dialect)
+    return expert_gather_mm_kernel(slabs, qtype, x, slot, rows, dialect=dialect)
