@@ -168,3 +168,83 @@ def test_weights_two_bytes_off_alignment():
     cases += _q8_cases([(5, 512, 2)])
     result = run_cases(cases, shim.Options(seed=7, offsets={"w": 2}))
     assert result.failure is None, f"{result.failed_label}: {result.failure}"
+
+
+# --------------------------------------------------------------------------------------------------
+# planted faults: mutated copies of the kernels that the shim must catch
+
+_TG_REDUCE = """threadgroup float partial[128];
+partial[thread_index_in_threadgroup] = acc;
+threadgroup_barrier(mem_flags::mem_threadgroup);
+if (lane == 0) {
+    acc = 0.0f;
+    for (uint l = 0; l < 32u; ++l) {
+        acc += partial[thread_index_in_threadgroup + l];
+    }
+}"""
+_Q8_BYTES = """    for (uint l = 0; l < 32u; ++l) {
+        const uint b = blk[2u + l];"""
+_Q8_WORDS = """    const device uint* q4 = (const device uint*)(blk + 2u);
+    for (uint l = 0; l < 32u; ++l) {
+        const uint b = (uint(q4[l / 4u]) >> (8u * (l % 4u))) & 255u;"""
+_Q4K_BYTES = "w[l] = ds * float((uint(qs[l]) >> shift) & 15u) - dm;"
+_Q4K_WORDS = "w[l] = ds * float((((uint(((const device uint*)qs)[l / 4u]) >> (8u * (l % 4u))) & 255u) >> shift) & 15u) - dm;"
+
+
+def _outcome(cases, patch, opts):
+    """None when the mutated kernels pass every check, else what caught them."""
+    try:
+        result = run_cases(cases, opts, kernel_patch=patch)
+    except AssertionError as e:  # twin mismatch
+        return f"twin mismatch: {str(e).splitlines()[0]}"
+    return result.failure
+
+
+def _matvec(shapes):
+    return _expert_cases("expert_matvec", shapes)
+
+
+def test_fault_off_by_one_is_caught():
+    patch = lambda k: k.patched("sub < uint(N_IN) / 32u", "sub <= uint(N_IN) / 32u")  # noqa: E731
+    caught = _outcome(_matvec([(GGMLType.Q2_K, 5, 256, 6)]), patch, shim.Options(seed=1))
+    assert caught and ("heap-buffer-overflow" in caught or "twin mismatch" in caught), caught
+
+
+def test_fault_missing_barrier_is_caught():
+    cases = _matvec([(GGMLType.Q4_K, 5, 512, 6)])
+    good = lambda k: k.patched("acc = simd_sum(acc);", _TG_REDUCE)  # noqa: E731
+    # the threadgroup-memory reduction with its barrier is correct on the shim ...
+    assert _outcome(cases, good, shim.Options(seed=2, variant="check")) is None
+    # ... and without it, lanes read partial sums not yet written (poisoned NaN) under the interleaving
+    bad = lambda k: good(k).patched("threadgroup_barrier(mem_flags::mem_threadgroup);\n", "")  # noqa: E731
+    caught = _outcome(cases, bad, shim.Options(seed=2, variant="check"))
+    assert caught and "twin mismatch" in caught, caught
+
+
+def test_fault_unaligned_wide_load_is_caught():
+    patch = lambda k: k.patched(_Q8_BYTES, _Q8_WORDS, where="header")  # noqa: E731
+    caught = _outcome(_q8_cases([(5, 256, 1)]), patch, shim.Options(seed=3, variant="check"))
+    assert caught and "misaligned 4-byte access in device memory" in caught, caught
+
+
+def test_fault_wide_load_aligned_only_to_the_buffer_is_caught_at_offset_two():
+    """Q4_K codes read as words are aligned from an aligned base, so only the +2 variant exposes them."""
+    patch = lambda k: k.patched(_Q4K_BYTES, _Q4K_WORDS, where="header")  # noqa: E731
+    cases = _matvec([(GGMLType.Q4_K, 5, 256, 6)])
+    assert _outcome(cases, patch, shim.Options(seed=4, variant="check")) is None
+    caught = _outcome(cases, patch, shim.Options(seed=4, variant="check", offsets={"w": 2}))
+    assert caught and "misaligned 4-byte access" in caught, caught
+
+
+def test_fault_wrong_address_space_is_caught():
+    """A `device` view of the pair table compiles for prefill but not for decode, where MLX passes it in
+    `constant` memory (fewer than 8 elements); a threadgroup array handed to a `device` pointer never does."""
+    as_device = lambda k: k.patched("pair_slot[p]", "slots[p]").patched(  # noqa: E731
+        "const device float* xr", "const device int32_t* slots = pair_slot;\nconst device float* xr")
+    opts = shim.Options(seed=5, variant="check")
+    caught = _outcome(_matvec([(GGMLType.Q2_K, 5, 256, 6)]), as_device, opts)
+    assert caught and "cannot convert ‘const shim::asp<2, int>*’ to ‘const shim::asp<1, int>*’" in caught, caught
+    assert _outcome(_matvec([(GGMLType.Q2_K, 5, 256, 17)]), as_device, opts) is None
+    tg_as_device = lambda k: k.patched("acc = simd_sum(acc);", _TG_REDUCE + "\nconst device float* view = partial;")  # noqa: E731
+    caught = _outcome(_matvec([(GGMLType.Q2_K, 5, 256, 17)]), tg_as_device, opts)
+    assert caught and "shim::asp<3, float>" in caught and "g++ rejected" in caught, caught

@@ -284,6 +284,8 @@ FLAGS = {
     # the default: sanitizers stop at the first report, warnings shown
     "asan": ["-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"],
     "plain": ["-O2", "-g"],
+    # shim checks only (address spaces, alignment, barriers, SIMD rendezvous, poison): quickest to build
+    "check": ["-O0"],
 }
 WARNINGS = ["-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-unused-variable", "-Wno-unused-function",
             "-Werror=uninitialized", "-Werror=maybe-uninitialized", "-Werror=return-type", "-Werror=array-bounds"]
