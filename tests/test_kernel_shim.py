@@ -156,6 +156,7 @@ def test_expert_kernels_decode_and_partial_groups():
         assert result.failure is None, f"{result.failed_label}: {result.failure}"
 
 
+@pytest.mark.slow
 def test_q8_0_matvec_on_all_shapes():
     result = run_cases(_q8_cases(list(itertools.product(OUT_DIMS, N_INS, PAIRS))), shim.Options(seed=5))
     assert result.failure is None, f"{result.failed_label}: {result.failure}"
@@ -248,3 +249,11 @@ def test_fault_wrong_address_space_is_caught():
     tg_as_device = lambda k: k.patched("acc = simd_sum(acc);", _TG_REDUCE + "\nconst device float* view = partial;")  # noqa: E731
     caught = _outcome(_matvec([(GGMLType.Q2_K, 5, 256, 17)]), tg_as_device, opts)
     assert caught and "shim::asp<3, float>" in caught and "g++ rejected" in caught, caught
+
+
+def test_fault_diverged_simd_lanes_are_caught():
+    """Half the lanes reduce at one SIMD op, half at another: a rendezvous that can never complete."""
+    patch = lambda k: k.patched("acc = simd_sum(acc);",  # noqa: E731
+                                "if (lane < 16u) {\n    acc = simd_sum(acc);\n} else {\n    acc = simd_max(acc);\n}")
+    caught = _outcome(_matvec([(GGMLType.Q2_K, 1, 256, 1)]), patch, shim.Options(seed=6, variant="check"))
+    assert caught and "diverged SIMD lanes" in caught, caught
