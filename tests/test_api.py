@@ -261,12 +261,21 @@ def test_sigint_ends_generate_cleanly(tiny_model_path):
     assert "ds4-mlx: prompt:" in err and "generation:" in err and "Traceback" not in err, err
 
 
-def test_cli_ctx_above_the_model_context_is_one_error_line(tiny_model_path, capsys):
+def test_cli_ctx_above_the_model_context_is_one_error_line(tiny_model_path, capsys, monkeypatch):
+    """--ctx is range-checked at parse time against DS4 Flash's 1,048,576; a model file declaring less
+    is checked after loading (here the tiny model is made to declare 4096)."""
+    from ds4_mlx.engine.engine import Engine
     from ds4_mlx.frontends.cli import main
 
     rc = main(["generate", "-m", str(tiny_model_path), "-p", "Hello", "-n", "1", "--ctx", "2000000"])
     err = capsys.readouterr().err
-    assert rc == 2 and "--ctx 2000000 is larger than the model's context length 1048576" in err
+    assert rc == 2 and "--ctx must be in [2, 1048576], got 2000000" in err and "Traceback" not in err
+    assert len([ln for ln in err.splitlines() if "error:" in ln]) == 1
+
+    monkeypatch.setattr(Engine, "context_length", property(lambda self: 4096))
+    rc = main(["generate", "-m", str(tiny_model_path), "-p", "Hello", "-n", "1", "--ctx", "8192"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--ctx 8192 is larger than the model's context length 4096" in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 

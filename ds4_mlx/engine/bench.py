@@ -125,12 +125,12 @@ def run_sweep(engine, tokens: Sequence[int], *, ctx_start: int = 2048, ctx_step:
               ctx_max: int = 32768, gen_tokens: int = 128,
               on_row: Callable[[BenchRow], None] | None = None,
               clock: Callable[[], float] = time.perf_counter) -> list[BenchRow]:
-    """Run the sweep on ``engine`` (an opened ``Engine``: ``new_session``, ``eos_id``, ``model.config``)
+    """Run the sweep on ``engine`` (an opened ``Engine``: ``new_session``, ``eos_id``, ``context_length``)
     over the first ``ctx_max`` of ``tokens``; ``on_row`` sees each row as soon as it is measured.
 
     The session is allocated ``ctx_max + gen_tokens + 1`` tokens, as ds4-bench does.
     """
-    context_length = getattr(getattr(getattr(engine, "model", None), "config", None), "context_length", None)
+    context_length = engine.context_length
     check_sweep(ctx_start, ctx_step, ctx_max, gen_tokens, context_length)
     tokens = [int(t) for t in tokens[:ctx_max]]
     if len(tokens) < ctx_max:

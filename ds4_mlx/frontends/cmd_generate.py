@@ -188,7 +188,8 @@ def _run(args, text: str, cancel) -> int:
     from ds4_mlx.engine.generate import stream_generate
 
     engine = Engine.open(args.model, numerics=args.numerics)
-    if cancel.is_set():
+    if cancel.is_set():  # Ctrl-C while the model was loading: nothing generated, no stats to print
+        print("ds4-mlx: interrupted while loading the model", file=sys.stderr)
         return 130
     if args.ctx > engine.context_length:
         raise CliUsageError(f"--ctx {args.ctx} is larger than the model's context length {engine.context_length}")
