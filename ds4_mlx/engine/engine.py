@@ -141,9 +141,18 @@ class Engine:
         return -1 if tid is None else tid
 
     def __repr__(self) -> str:
+        from ds4_mlx.engine.describe import file_size, human_bytes
+
         cfg = self.config
-        return (f"Engine(path={str(self.path)!r}, layers={cfg.n_layer}, numerics={self.numerics!r}, "
+        return (f"Engine(path={str(self.path)!r}, size={human_bytes(file_size(self.path))}, layers={cfg.n_layer}, "
+                f"experts={cfg.n_expert}/{cfg.n_expert_used}, numerics={self.numerics!r}, "
                 f"vocab={cfg.n_vocab}, context_max={cfg.context_length})")
+
+    def _repr_html_(self) -> str:
+        """The notebook view: a table of the file, shape, context and numerics."""
+        from ds4_mlx.engine.describe import engine_rows, html_table
+
+        return html_table("ds4_mlx Engine", engine_rows(self))
 
     # -- sessions ------------------------------------------------------------------------------------
 

@@ -396,6 +396,12 @@ class Session:
         return (f"Session(ctx={self.ctx}, tokens={self.pos}, chunk={self.chunk}, "
                 f"memory={mib:.1f} MiB, checkpoints={len(self._auto) + len(self._kept)})")
 
+    def _repr_html_(self) -> str:
+        """The notebook view: tokens held against the context, memory, checkpoints."""
+        from ds4_mlx.engine.describe import html_table, session_rows
+
+        return html_table("ds4_mlx Session", session_rows(self))
+
 
 def _push(pool: list[Snapshot], snap: Snapshot, cap: int) -> None:
     """Append ``snap`` (replacing one with the same tokens) and keep the ``cap`` most recent."""
