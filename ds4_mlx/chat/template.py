@@ -237,6 +237,24 @@ class ChatTranscript:
         if system:
             append_message(tokenizer, self.tokens, "system", system)
 
+    @classmethod
+    def from_tokens(cls, tokenizer: ChatTokenizer, tokens: Sequence[int], think: ThinkMode | str = ThinkMode.HIGH,
+                    ctx: int = DEFAULT_CTX) -> "ChatTranscript":
+        """Continue a saved transcript (``tokens`` taken from ``.tokens`` between turns, so it starts
+        with BOS); a Think Max prefix right after BOS is recognised, so later mode changes can
+        remove it as they would have in the original conversation."""
+        tokens = [int(t) for t in tokens]
+        if not tokens or tokens[0] != tokenizer.bos_id:
+            raise ChatError("a chat transcript must start with the BOS token")
+        out = cls(tokenizer, system=None, think=ThinkMode.NONE, ctx=ctx)
+        out.think = _as_mode(think)
+        prefix: list[int] = []
+        append_max_effort_prefix(tokenizer, prefix)
+        if tokens[1:1 + len(prefix)] == prefix:
+            out._max_prefix_len = len(prefix)
+        out.tokens = tokens
+        return out
+
     @property
     def effective_think(self) -> ThinkMode:
         return resolve_think_mode(self.think, self.ctx)
