@@ -116,9 +116,10 @@ class SessionPool:
         return max(best, self._visible_match(slot, prompt), self._text_match(slot, prompt)[0])
 
     def choose(self, prompt: Sequence[int], session_id: str | None = None) -> Slot:
-        """The slot for ``prompt``: the named one (created if new), else the one reusing most; a
-        prompt that would overwrite a conversation it does not extend gets a free slot while
-        there is one, else the least recently used one."""
+        """The slot for ``prompt``: the named one (created if new), else the one whose
+        conversation it continues (reusing the most); a prompt that continues none gets a free
+        slot while there is one, else the least recently used one, so a sub-agent sharing only a
+        system prompt with the main thread never overwrites the main thread's KV."""
         if session_id is not None:
             for slot in self.slots:
                 if slot.name == session_id:
@@ -129,8 +130,7 @@ class SessionPool:
             reuse, _, best = max(scored, key=lambda t: (t[0], t[1]))
             # it continues that conversation when it reuses at least its last prompt (a resend,
             # an edit of the last answer, the next turn); a shared system prompt alone does not
-            extends = reuse > 0 and reuse >= min(best.prompt_len, best.session.pos)
-            if reuse > 0 and (extends or len(self.slots) >= self.max_sessions):
+            if reuse > 0 and reuse >= min(best.prompt_len, best.session.pos):
                 return best
         if len(self.slots) < self.max_sessions:
             return self._fresh(None)
