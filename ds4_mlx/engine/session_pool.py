@@ -192,20 +192,20 @@ class SessionPool:
         slot = self.choose(prompt, session_id)
         self._touch(slot)
         s = slot.session
-        effective, rung_hint, covered = prompt, None, 0
+        effective, rung_hint, hint_live = prompt, None, 0
         vis = self._visible_match(slot, prompt)
         if vis and self.eos_id is not None:
             live = list(slot.visible_live)
-            effective, rung_hint, covered = live + [self.eos_id] + prompt[vis:], "visible", vis
+            effective, rung_hint, hint_live = live + [self.eos_id] + prompt[vis:], "visible", len(live)
         else:
             n_prompt, n_live = self._text_match(slot, prompt)
             if n_prompt:
                 effective = s.tokens + prompt[n_prompt:]
-                rung_hint, covered = "text", n_prompt
+                rung_hint, hint_live = "text", n_live
         slot.visible, slot.visible_live = None, None
         slot.prompt_len = len(prompt)
         if len(effective) >= s.ctx:  # the hidden part pushed it over: use the prompt as sent
-            effective, rung_hint, covered = prompt, None, 0
+            effective, rung_hint = prompt, None
         previous = s.on_prefill
         s.on_prefill = on_prefill
         try:
@@ -222,7 +222,7 @@ class SessionPool:
                 source = "live" if reused else "none"
         finally:
             s.on_prefill = previous
-        if rung_hint is not None and reused >= len(effective) - (len(prompt) - covered):
+        if rung_hint is not None and reused >= hint_live:
             rung = rung_hint
         # the prompt end is where a resent or edited last turn diverges: keep it restorable
         s.snapshot(keep=True)
