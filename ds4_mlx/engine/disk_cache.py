@@ -168,6 +168,9 @@ class DiskCache:
         self._control_ids = frozenset(tok.special_ids.values()) | {a.id for a in tok.added_tokens}
         self._step = continued_step(options)
         self._last_saved: weakref.WeakKeyDictionary[Session, int] = weakref.WeakKeyDictionary()
+        # tool_memory(key_text) -> {tool call id: exact DSML}: the replays a saved checkpoint's
+        # text holds, stored in its KTM section (ds4's tool memory); None stores none
+        self.tool_memory: Callable[[bytes], dict[str, str]] | None = None
 
     @property
     def directory(self) -> Path:
@@ -407,7 +410,10 @@ class DiskCache:
         tokens = session.tokens
         key = text if text is not None else self._tokenizer.decode_bytes(tokens)
         try:
-            entry = self.store.store(tokens, key, session.payload_chunks(), reason, key_kind=key_kind)
+            key_b = key.encode("utf-8") if isinstance(key, str) else bytes(key)
+            tool_map = self.tool_memory(key_b) if self.tool_memory is not None else None
+            entry = self.store.store(tokens, key, session.payload_chunks(), reason, key_kind=key_kind,
+                                     tool_map=tool_map or None)
         except (KVSaveSkipped, NonFiniteStateError) as exc:
             logger.info("kv cache store skipped tokens=%d reason=%s: %s", n, reason, exc)
             return SaveResult(reason, n, "skipped", detail=str(exc))

@@ -307,7 +307,7 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
                     system: str | None = DEFAULT_SYSTEM, raw: bool = False, stop=None, tools=None,
                     session=None, logprobs: int = 0, progress: Callable[[int, int, float], None] | None = None,
                     ctx: int | None = None, kv_cache=None, kv_cache_save_on_exit: bool = False,
-                    cancel=None, tool_choice=None) -> Iterator[GenerationEvent]:
+                    cancel=None, tool_choice=None, logits_processors=None) -> Iterator[GenerationEvent]:
     """Generate from ``prompt`` and yield events (see the module docstring).
 
     ``model``: ``ds4_mlx.load(...)``. ``prompt``: a string (ds4's CLI chat template, or tokenized
@@ -324,6 +324,9 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
     prefill chunk. ``kv_cache``: a ``DiskCache`` to sync through and save into.
     ``cancel``: a callable or ``threading.Event`` checked before every token and prefill chunk;
     cancelling (or KeyboardInterrupt inside the loop) ends with finish "cancelled".
+    ``logits_processors``: callables ``fn(generated_ids, logits) -> logits`` (as mlx-lm's, on
+    float32 numpy logits) applied in order before each token is chosen; they constrain decoding
+    (a forced prefix, a tool_choice) and never run when absent, so the numerics are unchanged.
     """
     from ds4_mlx.engine.engine import Engine, as_think_mode
 
@@ -339,6 +342,9 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
     logprobs = _int_arg("logprobs", logprobs, 0, MAX_LOGPROBS)
     stops = _stop_arg(stop)
     cancelled = _cancel_check(cancel)
+    processors = tuple(logits_processors or ())
+    if not all(callable(f) for f in processors):
+        raise GenerationError("logits_processors must be a list of callables fn(generated_ids, logits)")
     if progress is not None and not callable(progress):
         raise GenerationError(f"progress must be callable, got {type(progress).__name__}")
     if system is not None and not isinstance(system, str):
@@ -450,6 +456,8 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
                 finish = "length"
                 break
             logits = session.logits()
+            for fn in processors:
+                logits = fn(generated, logits)
             greedy = params.greedy or (tools is not None and parser.in_structural_syntax())
             token = argmax(logits) if greedy else sample(logits, params, rng)
             lp, top = None, ()

@@ -596,6 +596,28 @@ class FileContents:
     tool_map: dict[str, str]
 
 
+def read_tool_map(entry: Entry) -> dict[str, str]:
+    """Only the KTM block of ``entry`` (``{}`` when it has none), without reading the payload:
+    the server looks up exact tool-call replays by id across the directory (ds4's
+    kv_cache_restore_tool_memory_for_messages). Structure is checked, not the file crc (that
+    needs the whole payload); a damaged map can only cost a cache miss. Raises
+    ``KVFileRejected``."""
+    if not entry.tool_map_bytes:
+        return {}
+    path = entry.path
+    try:
+        f, _ = open_regular(path)
+    except OSError as exc:
+        raise KVFileRejected(path, f"cannot read: {exc.strerror or exc}", corrupt=False) from None
+    with f:
+        at = HEADER_BYTES + TEXT_LEN_BYTES + entry.text_bytes + entry.payload_bytes
+        data = _read_exact(f, entry.tool_map_bytes, at, path, "KTM trailer")
+    try:
+        return decode_tool_map(data, f"{path}: KTM trailer")
+    except KVStoreError as exc:
+        raise KVFileRejected(path, str(exc), corrupt=True) from None
+
+
 def read_contents(entry: Entry) -> FileContents:
     """Full read with every check: file unchanged since ``entry``, text hash = name, token key,
     KTM block, file crc. Raises ``KVFileRejected``."""

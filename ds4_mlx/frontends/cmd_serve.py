@@ -4,7 +4,12 @@ Endpoints: GET /v1/models, /v1/models/{id}, /health, /metrics; POST /v1/chat/com
 /v1/completions, /v1/messages, /v1/responses.  One inference worker; requests wait in a FIFO of
 at most --max-queue (503 + Retry-After beyond).  Binds 127.0.0.1 by default: pass --host 0.0.0.0
 and --api-key to serve a network.  SIGTERM/SIGINT: stop accepting, cancel what is running (its
-stream ends with finish "error", as ds4), then exit.
+stream ends with finish "error", as ds4), save the live sessions to the disk cache (reason
+"shutdown", with --kv-disk-dir), then exit.
+
+KV reuse: each request continues the live session holding the longest prefix of its prompt (or
+the hidden reasoning of the last answer, or a disk checkpoint); the `x-ds4-cache` response header
+and the usage fields say what was reused.
 
 tool_choice "required" / a named tool are passed to the engine as decoding constraints (the
 DSML block, or the named invoke, must open the answer); "none" drops the tools prompt."""
@@ -29,7 +34,12 @@ def register(subparsers) -> None:
     p.add_argument("--model-id", default="deepseek-v4-flash", help="model id served (default %(default)s)")
     p.add_argument("--kv-disk-dir", default=None, help="directory of the disk KV cache (off by default)")
     p.add_argument("--kv-disk-space-mb", type=int, default=None, help="disk KV cache budget in MiB")
-    p.add_argument("--sessions", type=int, default=1, help="live KV sessions kept in RAM (default 1)")
+    p.add_argument("--sessions", type=int, default=1,
+                   help="live KV sessions kept in RAM, least recently used evicted first; a request "
+                        "takes the one sharing its longest prefix, or the one named by its "
+                        "X-Session-Id header (default 1, as ds4)")
+    p.add_argument("--sessions-mb", type=float, default=0,
+                   help="memory budget of the live sessions in MiB (0 = bounded by --sessions only)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests allowed to wait for the worker (default 64); more get 503")
     p.add_argument("--api-key", default=os.environ.get("DS4_MLX_API_KEY"),
@@ -50,6 +60,8 @@ def _check(args: argparse.Namespace) -> None:
         raise Ds4Error(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.sessions < 1:
         raise Ds4Error(f"--sessions must be >= 1, got {args.sessions}")
+    if not args.sessions_mb >= 0:
+        raise Ds4Error(f"--sessions-mb must be >= 0, got {args.sessions_mb}")
     if args.max_body_mb <= 0 or args.max_messages < 1:
         raise Ds4Error("--max-body-mb and --max-messages must be positive")
     if args.api_key is not None and not args.api_key:
@@ -78,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
 
     backend = EngineBackend(args.model, ctx=args.ctx, numerics=args.numerics, kv_disk_dir=args.kv_disk_dir,
                             kv_disk_space_mb=args.kv_disk_space_mb, sessions=args.sessions,
+                            sessions_mb=args.sessions_mb,
                             max_queue=args.max_queue, model_id=args.model_id)
     config = ServerConfig(ctx=args.ctx, model_id=args.model_id, api_key=args.api_key, cors=args.cors,
                           max_body_bytes=int(args.max_body_mb * 1024 * 1024),

@@ -74,7 +74,9 @@ class Server:
         self.backend = backend
         self.config = config
         self.metrics = Metrics()
-        self.replay = ReplayMap(config.replay_max_ids)
+        # one map, shared with a backend that persists it (the disk cache's KTM sections)
+        shared = getattr(backend, "replay", None)
+        self.replay = shared if shared is not None else ReplayMap(config.replay_max_ids)
         self.limits = parse.Limits(ctx=config.ctx, max_messages=config.max_messages,
                                    model_id=config.model_id)
 
@@ -180,6 +182,11 @@ class Server:
             render_request(req.messages, req.tools, req.tool_choice, req.think, self.config.ctx)
         except ChatError as exc:
             raise ApiError(400, str(exc)) from None
+        disk_dir = getattr(self.backend, "kv_disk_dir", None)
+        if disk_dir:
+            wanted = ReplayMap.call_ids(req.messages)
+            if wanted:
+                await asyncio.to_thread(self.replay.restore_from_dir, disk_dir, wanted)
         req.messages = self.replay.apply(req.messages)
         headers = self._headers(parsed)
         try:

@@ -245,40 +245,123 @@ class Backend:
 # The real engine behind the library API
 
 
-class EngineBackend(Backend):
-    """The model behind ``ds4_mlx.stream_generate`` (the public generation API).
+class _Abandoned(Exception):
+    """Raised from the prefill hook when the client went away; the computed chunks stay live."""
 
-    The library call is imported lazily: the server package itself depends only on the chat
-    layer.  Contract used (see the public-API issue): ``ds4_mlx.load(path, numerics=...)``,
-    ``ds4_mlx.stream_generate(model, prompt_ids, *, max_tokens, temperature, top_p, min_p, top_k,
-    seed, think, stop, tools, tool_choice, ctx, kv_cache, cancel, session_id)`` yielding events with
-    ``.kind`` in reasoning|content|tool_call|done (+ prefill/cache), ``.text``, and on done
-    ``.finish_reason`` and ``.stats`` (prompt_tokens, cached_tokens, completion_tokens, ...)."""
+
+_CACHE_SOURCES = {"live": "live", "disk": "disk"}
+
+
+class EngineBackend(Backend):
+    """The model behind the library API: ``ds4_mlx.load``, ``stream_generate`` and a
+    :class:`~ds4_mlx.engine.session_pool.SessionPool` of live sessions (with the ``DiskCache``
+    of ``--kv-disk-dir``) that decides which KV each request reuses.  Everything that touches the
+    model runs on the worker thread (MLX streams are per thread); this class only translates
+    between the request/event vocabulary of the server and the library's.
+
+    ``logits_hook(request, prompt_ids) -> list | None``: extra logits processors for one request
+    (tests drive tool-call output from a random model with it; the server passes none)."""
 
     def __init__(self, model_path: str, *, ctx: int = 32768, numerics: str = "default",
                  kv_disk_dir: str | None = None, kv_disk_space_mb: int | None = None,
-                 sessions: int = 1, max_queue: int = 64, model_id: str = "deepseek-v4-flash") -> None:
-        import ds4_mlx
-
-        self._api = getattr(ds4_mlx, "stream_generate", None)
-        if self._api is None or not hasattr(ds4_mlx, "load"):
-            raise Ds4Error("engine API not available in this build: ds4_mlx.stream_generate is "
-                           "missing (the server needs the public generation API)")
+                 sessions: int = 1, sessions_mb: float = 0, max_queue: int = 64,
+                 model_id: str = "deepseek-v4-flash", replay=None,
+                 logits_hook: Callable | None = None) -> None:
         self.model_path = model_path
         self.numerics = numerics
         self.kv_disk_dir = kv_disk_dir
         self.kv_disk_space_mb = kv_disk_space_mb
         self.sessions = sessions
+        self.sessions_mb = sessions_mb
+        if replay is None:
+            from ds4_mlx.frontends.server.replay import ReplayMap
+
+            replay = ReplayMap()
+        self.replay = replay
+        self.logits_hook = logits_hook
         self.model = None
+        self.disk = None
+        self.pool = None
+        self.shutdown_saves: list = []
         super().__init__(self._generate, max_queue=max_queue, setup=self._load,
-                         model_id=model_id, ctx=ctx)
+                         teardown=self._save_on_exit, model_id=model_id, ctx=ctx)
+
+    # -- worker-thread lifecycle -----------------------------------------------------------
 
     def _load(self) -> None:
         import ds4_mlx
+        from ds4_mlx.engine.session_pool import SessionPool
 
-        self.model = ds4_mlx.load(self.model_path, numerics=self.numerics)
+        model = ds4_mlx.load(self.model_path, numerics=self.numerics)
+        if self.ctx > model.context_length:
+            raise Ds4Error(f"--ctx {self.ctx} is larger than the model's context length {model.context_length}")
+        disk = None
+        if self.kv_disk_dir:
+            from ds4_mlx.engine.disk_cache import DiskCache
+
+            kwargs = {} if self.kv_disk_space_mb is None else {"budget_mb": self.kv_disk_space_mb}
+            disk = DiskCache(model, self.kv_disk_dir, ctx=self.ctx, **kwargs)
+            if self.replay is not None:
+                disk.tool_memory = self.replay.entries_in
+        tok = model.tokenizer
+        controls = frozenset(tok.special_ids.values()) | {a.id for a in tok.added_tokens}
+        self.model, self.disk = model, disk
+        self.pool = SessionPool(lambda: model.new_session(self.ctx), max_sessions=self.sessions,
+                                budget_bytes=int(self.sessions_mb * 2**20), disk=disk, tokenizer=tok,
+                                control_ids=controls, eos_id=model.eos_id,
+                                min_evict_tokens=disk.options.min_tokens if disk is not None else 512)
+
+    def _save_on_exit(self) -> None:
+        """ds4's shutdown save: every live session to the disk cache, reason "shutdown"."""
+        if self.pool is None:
+            return
+        self.shutdown_saves = self.pool.save_all("shutdown")
+        for res in self.shutdown_saves:
+            log.info("kv cache %s: %s tokens (shutdown) %s", res.status, res.tokens, res.path or res.detail)
+
+    # -- one request -------------------------------------------------------------------------
+
+    def _processors(self, req: ChatRequest, prompt: list[int]) -> list:
+        from ds4_mlx.engine.constraints import tool_choice_processor
+
+        out = []
+        if self.logits_hook is not None:
+            out += list(self.logits_hook(req, prompt) or ())
+        if req.tools and not req.raw_output:
+            thinking = prompt[-1] == self.model.tokenizer.token_to_id("<think>")
+            fn = tool_choice_processor(self.model.tokenizer, req.tool_choice, thinking=thinking)
+            if fn is not None:
+                out.append(fn)
+        return out
+
+    def _visible_ids(self, req: ChatRequest, result) -> list[int] | None:
+        """The ids a client resends for this transcript plus the answer just given (ds4's
+        thinking-visible key), or None when they cannot be told."""
+        from ds4_mlx.chat.request import encode_request
+
+        tok = self.model.tokenizer
+        answer = {"role": "assistant", "content": result.content or ""}
+        if result.reasoning:
+            answer["reasoning_content"] = result.reasoning
+        try:
+            ids = encode_request(tok, list(req.messages) + [answer, {"role": "user", "content": ""}],
+                                 req.tools, req.tool_choice, req.think, self.ctx)
+        except Ds4Error:
+            return None
+        tail = [tok.token_to_id(t) for t in ("<｜User｜>", "<｜Assistant｜>")]
+        if ids[-3:-1] != tail or ids[-4] != self.model.eos_id:
+            return None
+        return ids[:-3]
 
     def _generate(self, req: ChatRequest, cancel: threading.Event) -> Iterator[Event]:
+        import ds4_mlx
+        from ds4_mlx.chat.dsml_stream import (
+            ContentDelta,
+            ReasoningDelta,
+            ToolCallArgumentsDelta,
+            ToolCallEnd,
+            ToolCallStart,
+        )
         from ds4_mlx.chat.request import encode_request
 
         prompt = encode_request(self.model.tokenizer, req.messages, req.tools, req.tool_choice,
@@ -287,45 +370,57 @@ class EngineBackend(Backend):
             raise BackendError(400, f"prompt has {len(prompt)} tokens, context is {self.ctx}",
                                code="context_length_exceeded",
                                extra={"n_prompt_tokens": len(prompt), "n_ctx": self.ctx})
-        max_tokens = max(1, min(req.max_tokens or self.ctx, self.ctx - len(prompt)))
-        started = False
         t0 = time.monotonic()
-        t_first = None
+
+        def on_prefill(done: int, total: int) -> None:
+            if cancel.is_set():
+                raise _Abandoned
+
+        try:
+            prep = self.pool.prepare(prompt, session_id=req.session_id, on_prefill=on_prefill)
+        except _Abandoned:
+            yield Done("cancelled", error="cancelled during prefill")
+            return
+        t1 = time.monotonic()
+        yield Started(len(prompt), prep.cached, _CACHE_SOURCES.get(prep.source, "none"))
+        room = self.ctx - len(prep.prompt)
+        max_tokens = max(0, min(req.max_tokens or room, room))
+        tools = None if req.raw_output else req.tools
         n_out = 0
-        for ev in self._api(self.model, prompt, max_tokens=max_tokens,
-                            temperature=req.temperature, top_p=req.top_p, min_p=req.min_p,
-                            top_k=req.top_k, seed=req.seed, think=req.think.value,
-                            raw=req.raw_output, tools=req.tools, tool_choice=req.tool_choice,
-                            ctx=self.ctx, cancel=cancel, session_id=req.session_id):
-            kind = getattr(ev, "kind", None)
-            if kind in ("prefill", "cache"):
+        for ev in ds4_mlx.stream_generate(
+                self.model, prep.prompt, max_tokens=max_tokens, temperature=req.temperature,
+                top_p=req.top_p, min_p=req.min_p, top_k=req.top_k, seed=req.seed or None,
+                think=req.think, tools=tools, tool_choice=req.tool_choice if tools else None,
+                session=prep.slot.session, kv_cache=self.disk, cancel=cancel,
+                logits_processors=self._processors(req, prep.prompt) or None):
+            kind = ev.kind
+            if kind in ("notice", "cache"):
                 continue
-            if not started and kind != "done":
-                stats = getattr(ev, "stats", None)
-                started = True
-                t_first = time.monotonic()
-                yield Started(len(prompt), int(getattr(stats, "cached_tokens", 0) or 0),
-                              str(getattr(stats, "cache_source", "none") or "none"))
-            if kind == "reasoning":
-                n_out += 1
-                yield Reasoning(ev.text)
-            elif kind == "content":
-                n_out += 1
-                yield Content(ev.text)
-            elif kind == "tool_call":
-                call = ev.tool_call
-                yield ToolStart(call.index, call.name)
-                yield ToolArgs(call.index, call.arguments)
-                yield ToolEnd(call.index, call.name, call.arguments)
-            elif kind == "done":
-                stats = getattr(ev, "stats", None)
-                if not started:
-                    yield Started(len(prompt), int(getattr(stats, "cached_tokens", 0) or 0))
+            if req.raw_output:
+                if kind != "done" and ev.text:
+                    yield Content(ev.text)
+            else:
+                for d in ev.deltas:
+                    if isinstance(d, ReasoningDelta) and d.text:
+                        yield Reasoning(d.text)
+                    elif isinstance(d, ContentDelta) and d.text:
+                        yield Content(d.text)
+                    elif isinstance(d, ToolCallStart):
+                        yield ToolStart(d.index, d.name)
+                    elif isinstance(d, ToolCallArgumentsDelta) and d.fragment:
+                        yield ToolArgs(d.index, d.fragment)
+                    elif isinstance(d, ToolCallEnd):
+                        yield ToolEnd(d.index, d.call.name, d.call.arguments)
+            if kind == "done":
+                res = ev.result
+                n_out = res.stats.generation_tokens
+                visible = None
+                if (res.finish_reason == "stop" and not res.tool_calls and not req.raw_output
+                        and prep.slot.session.tokens == prep.prompt + list(res.tokens)):
+                    visible = self._visible_ids(req, res)
+                self.pool.remember_answer(prep.slot, visible)
                 now = time.monotonic()
-                yield Done(ev.finish_reason,
-                           int(getattr(stats, "completion_tokens", n_out) or n_out),
-                           raw_dsml=getattr(ev, "raw_dsml", None), error=getattr(ev, "error", None),
-                           prefill_seconds=(t_first or now) - t0,
-                           decode_seconds=now - (t_first or now))
+                yield Done(res.finish_reason, n_out, raw_dsml=res.raw_dsml, error=res.error,
+                           prefill_seconds=t1 - t0, decode_seconds=now - t1)
                 return
         yield Done("error", n_out, error="engine ended without a done event")
