@@ -28,7 +28,7 @@ import ds4_mlx
 import numpy as np
 import pytest
 
-from oracle_golden import Logits, golden_json, rms as _rms
+from oracle_golden import Logits, golden_json, rms as _rms, row_sha256, shared_dir
 
 CASES = ("raw_short", "chat_nothink", "dev_long")
 MODES = ("ds4-cpu", "default")
@@ -126,3 +126,13 @@ def test_ds4_cpu_reproduces_every_logit_exactly(run, case):
     assert not differ, "\n".join(differ)
     for k, step in enumerate(r["golden"]["steps"]):
         assert int(np.argmax(r["logits"][k])) == step["argmax"], f"{case} step {k}"
+
+
+@pytest.mark.skipif(shared_dir() is None, reason="optional: the oracle's shared/ folder is not here")
+@pytest.mark.parametrize("case", CASES)
+def test_packed_golden_rows_are_the_oracles(case):
+    """Where the oracle's folder is around (DS4_MLX_SHARED or ../shared), tests/data still packs its rows."""
+    full = np.load(shared_dir() / "oracle" / "golden" / f"{case}.logits.npy")
+    packed = Logits(case)
+    assert np.array_equal(row_sha256(full), packed.sha256)
+    assert all(_rms(packed.approx[i] - full[i]) <= packed.err_rms[i] * (1 + 1e-9) for i in range(len(full)))
