@@ -18,8 +18,6 @@ from ds4_mlx.tokenizer import Tokenizer
 import oracle_golden
 from oracle_golden import ORACLE_SHA256
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="session")
 def reference_dir(tmp_path_factory) -> Path:
@@ -42,8 +40,6 @@ def tiny_model_path(tmp_path_factory) -> Path:
 
     DS4_MLX_TINY_MODEL may point at an already built copy (checked all the same) to save ~10 s.
     """
-    import hashlib
-
     cached = os.environ.get("DS4_MLX_TINY_MODEL")
     if cached and Path(cached).is_file():
         path = Path(cached)
