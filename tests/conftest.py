@@ -1,59 +1,51 @@
-"""Shared fixtures, each built once per test session: the oracle's tiny model, the shared/ folder, the
-small model (ds4_mlx.testing.small_model) and the tokenizers (ours and HF's on the official tokenizer.json)."""
+"""Shared fixtures, each built once per test session: the oracle's tiny model, the oracle's golden data
+and reference texts (tests/data), the small model (ds4_mlx.testing.small_model) and the tokenizers (ours and HF's on the official tokenizer.json)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import ds4_mlx  # noqa: F401  (first: binds MLX to OpenBLAS before any test imports mlx)
+from ds4_mlx.testing import tiny_model as tm
 from ds4_mlx.testing.small_model import build_small_model
 from ds4_mlx.tokenizer import Tokenizer
 
-REPO = Path(__file__).resolve().parents[1]
-ORACLE_SHA256 = "4f967c3e99f0ec622362d123f1e9495ae3ab29b9c83f943fd78d257f37b73791"
-
-
-def _shared_dir() -> Path:
-    env = os.environ.get("DS4_MLX_SHARED")
-    return Path(env) if env else (REPO.parent / "shared")
+import oracle_golden
+from oracle_golden import ORACLE_SHA256
 
 
 @pytest.fixture(scope="session")
-def shared_dir() -> Path:
-    d = _shared_dir()
-    if not (d / "oracle").is_dir():
-        pytest.fail(f"shared/ folder with the oracle not found at {d} (set DS4_MLX_SHARED)")
-    return d
+def reference_dir(tmp_path_factory) -> Path:
+    """tests/data unpacked (oracle/golden/<case>.json and prompts/, test-vectors/, bench-data/): the
+    oracle's golden documents and the reference texts, in the layout of the oracle's own folder."""
+    return oracle_golden.materialize(tmp_path_factory.mktemp("reference"))
 
 
 @pytest.fixture(scope="session")
-def oracle_dir(shared_dir) -> Path:
-    return shared_dir / "oracle"
+def oracle_dir(reference_dir) -> Path:
+    """The oracle's folder as far as the tests read it: golden/<case>.json, golden/prompts/*.txt (the
+    numeric dumps are read through tests/oracle_golden.py)."""
+    return reference_dir / "oracle"
 
 
 @pytest.fixture(scope="session")
-def tiny_model_path(tmp_path_factory, oracle_dir) -> Path:
-    """The oracle's tiny model, byte for byte (its sha256 is checked), built with the oracle script.
+def tiny_model_path(tmp_path_factory) -> Path:
+    """The oracle's tiny model, byte for byte (its sha256 is checked), written by our generator's
+    oracle_bytes mode.
 
     DS4_MLX_TINY_MODEL may point at an already built copy (checked all the same) to save ~10 s.
     """
-    import hashlib
-
     cached = os.environ.get("DS4_MLX_TINY_MODEL")
     if cached and Path(cached).is_file():
         path = Path(cached)
     else:
         path = tmp_path_factory.mktemp("oracle") / "tiny.gguf"
-        subprocess.run(
-            [sys.executable, str(oracle_dir / "make_tiny_gguf.py"), "--out", str(path)],
-            check=True, stdout=subprocess.DEVNULL,
-        )
+        tm.write_tiny_model(tm.preset_config("tiny", oracle_bytes=True), path, compute_sha256=False)
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 22), b""):
@@ -72,19 +64,20 @@ def tokenizer_json_path() -> Path:
 
 
 @pytest.fixture(scope="session")
-def small_model_path(tmp_path_factory, oracle_dir) -> Path:
+def small_model_path(tmp_path_factory) -> Path:
     """The 4 MiB small DS4 model (ds4_mlx.testing.small_model) with its synthetic 512-token vocabulary
     (string arrays, multi-byte UTF-8). Tests read it; those that corrupt it write copies."""
-    return build_small_model(tmp_path_factory.mktemp("small") / "small.gguf",
-                             generator=oracle_dir / "make_tiny_gguf.py")
+    return build_small_model(tmp_path_factory.mktemp("small") / "small.gguf")
 
 
 @pytest.fixture(scope="session")
-def small_model_no_tokenizer(tmp_path_factory, oracle_dir) -> tuple[Path, dict]:
-    """(path, the generator's summary of what it wrote) of the small model without a tokenizer."""
+def small_model_no_tokenizer(tmp_path_factory) -> tuple[Path, dict]:
+    """(path, the generator's summary of what it wrote) of the small model without a tokenizer; the file
+    is checked to be the oracle generator's bytes for these dims."""
     d = tmp_path_factory.mktemp("small_no_tok")
-    path = build_small_model(d / "small.gguf", tokenizer=False, summary_json=d / "summary.json",
-                             generator=oracle_dir / "make_tiny_gguf.py")
+    path = build_small_model(d / "small.gguf", tokenizer=False, summary_json=d / "summary.json")
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == \
+        oracle_golden.generator_sha256("small_model_no_tokenizer"), "not the oracle generator's small model"
     return path, json.loads((d / "summary.json").read_text())
 
 

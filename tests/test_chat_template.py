@@ -1,7 +1,7 @@
 """DS4 chat templates: thinking modes, CLI token form, server text form.
 
 Expected prompt texts are assembled by hand from spec §11.6 (layout) with the constant strings read
-from the spec document itself; the multi-feature render case was checked against ds4-server's own
+from the spec document itself (vendored in tests/data); the multi-feature render case was checked against ds4-server's own
 renderer compiled in a small harness ("ds4 harness")."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 
+import oracle_golden
 import pytest
 
 from ds4_mlx.chat.dsml import render_tool_calls
@@ -54,12 +55,21 @@ def _spec_inline(spec: str, label: str) -> str:
     return line[line.index("`") + 1 : line.rindex("`")].replace("\\n", "\n")
 
 
-def test_constants_match_spec(shared_dir):
-    spec = (shared_dir / "spec" / "ARCHITECTURE.md").read_text(encoding="utf-8")
-    assert MAX_EFFORT_PREFIX == _spec_fenced(spec, "MAXPREFIX (exact bytes")
-    assert TOOLS_PROMPT == _spec_fenced(spec, "TOOLS_PROMPT (exact bytes")
-    assert TOOLS_SUFFIX == _spec_inline(spec, "TOOLS_SUFFIX: `")
+def test_constants_match_spec(reference_dir):
+    """The constants as the spec (shared/spec/ARCHITECTURE.md, §11.6: "MAXPREFIX (exact bytes",
+    "TOOLS_PROMPT (exact bytes", "TOOLS_SUFFIX: `") writes them, vendored in tests/data/spec_constants.json
+    by scripts/pack_oracle_golden.py; when the spec itself is around, the vendored copy is checked too."""
+    spec = json.loads((reference_dir / "spec_constants.json").read_text(encoding="utf-8"))
+    assert MAX_EFFORT_PREFIX == spec["MAX_EFFORT_PREFIX"]
+    assert TOOLS_PROMPT == spec["TOOLS_PROMPT"]
+    assert TOOLS_SUFFIX == spec["TOOLS_SUFFIX"]
     assert DEFAULT_SYSTEM == "You are a helpful assistant"
+    shared = oracle_golden.shared_dir()
+    if shared is not None and (shared / "spec" / "ARCHITECTURE.md").is_file():
+        text = (shared / "spec" / "ARCHITECTURE.md").read_text(encoding="utf-8")
+        assert spec == {"MAX_EFFORT_PREFIX": _spec_fenced(text, "MAXPREFIX (exact bytes"),
+                        "TOOLS_PROMPT": _spec_fenced(text, "TOOLS_PROMPT (exact bytes"),
+                        "TOOLS_SUFFIX": _spec_inline(text, "TOOLS_SUFFIX: `")}
 
 
 def test_think_mode_resolution():
@@ -262,12 +272,12 @@ def test_cli_and_server_forms_agree(ds4_tokenizer):
         assert server == encode_chat_prompt(ds4_tokenizer, "2+2?", system="Be brief.", think=think)
 
 
-def test_test_vector_prompt_lengths(ds4_tokenizer, shared_dir):
-    manifest = json.loads((shared_dir / "test-vectors" / "manifest.json").read_text())
+def test_test_vector_prompt_lengths(ds4_tokenizer, reference_dir):
+    manifest = json.loads((reference_dir / "test-vectors" / "manifest.json").read_text())
     checked = 0
     for entry in manifest["prompts"]:
-        prompt = (shared_dir / "test-vectors" / entry["prompt_file"]).read_text(encoding="utf-8")
-        official = json.loads((shared_dir / "test-vectors" / entry["official_file"]).read_text())
+        prompt = (reference_dir / "test-vectors" / entry["prompt_file"]).read_text(encoding="utf-8")
+        official = json.loads((reference_dir / "test-vectors" / entry["official_file"]).read_text())
         ids = encode_chat_prompt(ds4_tokenizer, prompt, system="", think=ThinkMode.NONE)
         assert len(ids) == official["usage"]["prompt_tokens"], entry["id"]
         checked += 1

@@ -21,6 +21,7 @@ from ds4_mlx.formats.ggml_types import BLOCK_GEOMETRY, GGMLType
 from ds4_mlx.formats.gguf import GGUFFile
 from ds4_mlx.formats.quants import dequantize, q4_k_scale_min
 from ds4_mlx.testing import tiny_model as tm
+from oracle_golden import GENERATOR_CASES, ORACLE_SHA256, generator_sha256
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "make_tiny_model.py"
@@ -46,13 +47,19 @@ def _oracle_args(cfg: dict) -> list[str]:
     return args
 
 
+def test_small_args_are_the_packed_generator_case():
+    assert _oracle_args(SMALL) == GENERATOR_CASES["small_layout"]
+
+
 @pytest.fixture(scope="module")
-def small_pair(tmp_path_factory, oracle_dir):
-    """(oracle file, our file) for the SMALL dims."""
+def small_pair(tmp_path_factory):
+    """(oracle file, our file) for the SMALL dims. The oracle file is our generator's oracle_bytes mode,
+    checked to be byte for byte what the oracle's make_tiny_gguf.py wrote for these dims (its sha256 is
+    in tests/data/oracle/generator_sha256.json)."""
     d = tmp_path_factory.mktemp("small")
     oracle = d / "oracle.gguf"
-    subprocess.run([sys.executable, str(oracle_dir / "make_tiny_gguf.py"), "--out", str(oracle),
-                    *_oracle_args(SMALL)], check=True, stdout=subprocess.DEVNULL)
+    info = tm.write_tiny_model(tm.preset_config("tiny", **SMALL, oracle_bytes=True), oracle)
+    assert info["sha256"] == generator_sha256("small_layout"), "oracle_bytes no longer writes the oracle's bytes"
     ours = d / "ours.gguf"
     tm.write_tiny_model(tm.preset_config("tiny", **SMALL), ours)
     return oracle, ours
@@ -105,6 +112,18 @@ def test_tiny_preset_has_the_oracle_models_exact_layout(tiny_model_path, tiny_ou
     assert len(meta["tokenizer.ggml.tokens"]) == 129280 and meta["tokenizer.ggml.add_bos_token"] is False
     assert info["file_bytes"] == os.path.getsize(ours)
     assert info["sha256"] == hashlib.sha256(Path(ours).read_bytes()).hexdigest()
+
+
+def test_oracle_bytes_mode_writes_the_oracles_tiny_model(tiny_model_path):
+    """The conftest builds the oracle's tiny model with oracle_bytes (unless DS4_MLX_TINY_MODEL names a
+    copy): the sha256 it checks is the one the oracle's golden outputs were computed on."""
+    assert generator_sha256("tiny") == ORACLE_SHA256
+    assert hashlib.sha256(Path(tiny_model_path).read_bytes()).hexdigest() == ORACLE_SHA256
+
+
+def test_oracle_bytes_mode_refuses_q4_experts():
+    with pytest.raises(LayoutError, match="oracle_bytes needs experts='q2'"):
+        tm.preset_config("tiny", experts="q4", oracle_bytes=True).validate()
 
 
 @pytest.mark.slow

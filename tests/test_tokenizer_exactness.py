@@ -5,7 +5,7 @@ Oracles, both built from the official DeepSeek tokenizer.json (deepseek-tokenize
   ``encode_hf_compatible`` (every added token recognised);
 * ``hf_plain``: the same file with ``added_tokens`` emptied, the truth for plain ``encode``.
 
-The corpus is built here, deterministically: the shared bench-data texts (Italian, English) plus
+The corpus is built here, deterministically: the bench-data texts (Italian, English; in tests/data) plus
 generated Chinese, Japanese, Korean, Arabic, code in five languages, emoji (ZWJ, skin tones, flags,
 keycaps), numbers, whitespace runs, tabs, CRLF, control characters, special-token look-alikes and
 seeded random text from many scripts. It is compared paragraph by paragraph, so a failure names the
@@ -229,11 +229,11 @@ def _random_unicode(rng: random.Random, n_words: int) -> str:
     return "".join(out)
 
 
-def build_corpus(shared_dir: Path) -> list[tuple[str, str]]:
+def build_corpus(reference_dir: Path) -> list[tuple[str, str]]:
     """(label, text) sections, deterministic."""
     rng = random.Random(20240521)
     sections = []
-    for path in sorted((shared_dir / "bench-data").glob("*.txt")):
+    for path in sorted((reference_dir / "bench-data").glob("*.txt")):
         sections.append((path.name, path.read_text(encoding="utf-8")))
     sections += [
         ("chinese", _paragraphs(rng, CHINESE, 150, (3, 10))),
@@ -287,8 +287,8 @@ def first_difference(tok: Tokenizer, oracle, text: str, ours_ids: list[int], hf_
     return f"first differing id at #{k}: ours {ours_ids[k:k + 5]} vs HF {ref[k:k + 5]} near {near!r}"
 
 
-def test_corpus_exact(ds4_tokenizer, hf_tokenizer, hf_plain_tokenizer, shared_dir):
-    sections = build_corpus(shared_dir)
+def test_corpus_exact(ds4_tokenizer, hf_tokenizer, hf_plain_tokenizer, reference_dir):
+    sections = build_corpus(reference_dir)
     total_bytes = sum(len(t.encode("utf-8")) for _, t in sections)
     assert total_bytes >= MIN_CORPUS_BYTES
     labelled = [(label, c) for label, text in sections for c in chunks(text)]
@@ -325,19 +325,19 @@ def _has_added_candidate(text: str) -> bool:
     return "<" in text or "｜" in text
 
 
-def test_whole_texts_exact(ds4_tokenizer, hf_plain_tokenizer, shared_dir):
+def test_whole_texts_exact(ds4_tokenizer, hf_plain_tokenizer, reference_dir):
     """Without paragraph cuts: pieces that span blank lines, runs of newlines, file ends."""
-    text = (shared_dir / "bench-data" / "long_context_story_prompt.txt").read_text(encoding="utf-8")
+    text = (reference_dir / "bench-data" / "long_context_story_prompt.txt").read_text(encoding="utf-8")
     assert ds4_tokenizer.encode(text) == hf_plain_tokenizer.encode(text, add_special_tokens=False).ids
-    sections = build_corpus(shared_dir)
+    sections = build_corpus(reference_dir)
     mixed = "".join(t[:5000] for _, t in sections)
     assert ds4_tokenizer.encode(mixed) == hf_plain_tokenizer.encode(mixed, add_special_tokens=False).ids
 
 
-def test_official_prompt_token_counts(tiny_model_path, shared_dir):
+def test_official_prompt_token_counts(tiny_model_path, reference_dir):
     """``BOS User prompt Assistant </think>`` has exactly the DeepSeek API's ``usage.prompt_tokens``."""
     tok = Tokenizer.from_gguf(tiny_model_path)
-    vectors = shared_dir / "test-vectors"
+    vectors = reference_dir / "test-vectors"
     manifest = json.loads((vectors / "manifest.json").read_text(encoding="utf-8"))
     assert manifest["prompts"]
     for entry in manifest["prompts"]:

@@ -1,4 +1,4 @@
-"""A small but complete DS4 model built with the oracle's generator, and byte-level patch helpers.
+"""A small but complete DS4 model in the oracle generator's exact bytes, and byte-level patch helpers.
 
 The small model has hash layers 0-2, one ratio-4 (indexer) and one ratio-128 layer; it is 4 MiB and
 built in ~0.5 s, with or without a synthetic 512-token vocabulary. The tests of the GGUF reader, the
@@ -31,13 +31,40 @@ _REQUIRED_TOKENS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜
                     "<think>", "</think>", "｜DSML｜"]
 
 
+# The project's generator; with --oracle-bytes it writes what the oracle's make_tiny_gguf.py writes.
+PROJECT_GENERATOR = REPO / "scripts" / "make_tiny_model.py"
+
+# The oracle generator's summary names its config after the model's (ModelConfig) fields; ours after
+# the generator's options. Tests compare the summary with ModelConfig, so it is given the oracle's names.
+_ORACLE_CONFIG_NAMES = {
+    "n_layer": "n_layer", "n_embd": "n_embd", "n_vocab": "n_vocab", "n_head": "n_head", "head_dim": "head_dim",
+    "n_rot": "n_rot", "n_out_group": "n_out_group", "q_lora_rank": "q_lora", "o_lora_rank": "o_lora",
+    "n_expert": "n_expert", "n_expert_used": "n_expert_used", "n_ff_exp": "n_ff_exp",
+    "n_hash_layer": "n_hash_layer", "n_swa": "swa", "n_indexer_head": "n_indexer_head",
+    "indexer_head_dim": "indexer_head_dim", "indexer_top_k": "indexer_top_k", "n_hc": "n_hc",
+    "hc_sinkhorn_iter": "sinkhorn_iter", "seed": "seed",
+}
+
+
 def oracle_generator() -> Path:
-    """shared/oracle/make_tiny_gguf.py, in DS4_MLX_SHARED or next to the repository."""
+    """shared/oracle/make_tiny_gguf.py, in DS4_MLX_SHARED or next to the repository (optional: only the
+    script that packs the oracle's golden data and cross-checks use it)."""
     env = os.environ.get("DS4_MLX_SHARED")
     p = (Path(env) if env else REPO.parent / "shared") / "oracle" / "make_tiny_gguf.py"
     if not p.is_file():
         raise FileNotFoundError(f"oracle generator not found at {p} (set DS4_MLX_SHARED)")
     return p
+
+
+def _oracle_style_summary(path: Path) -> None:
+    """Rewrite our generator's summary with the oracle summary's config names (ours kept as
+    ``generator_config``)."""
+    info = json.loads(path.read_text())
+    ours = info["config"]
+    info["generator_config"] = ours
+    info["config"] = {name: ours[field] for name, field in _ORACLE_CONFIG_NAMES.items()}
+    info["config"].update(n_head_kv=1, n_expert_shared=1)
+    path.write_text(json.dumps(info, indent=1) + "\n")
 
 
 def write_small_tokenizer_json(path: Path, n_vocab: int = 512) -> Path:
@@ -64,20 +91,29 @@ def write_small_tokenizer_json(path: Path, n_vocab: int = 512) -> Path:
 
 def build_small_model(out: Path, *, tokenizer: bool = True, extra_args: list[str] = (),
                       summary_json: Path | None = None, generator: Path | None = None) -> Path:
-    """Write the small model with the oracle's generator (the same layout code as the tiny model).
+    """Write the small model, byte for byte what the oracle's generator writes for these dims.
 
-    ``generator`` defaults to :func:`oracle_generator`; ``summary_json`` asks the generator for its
-    own description of what it wrote (config and tensor list)."""
+    ``generator`` defaults to the project's ``scripts/make_tiny_model.py`` run with ``--oracle-bytes``
+    (pass :func:`oracle_generator` to use the oracle's own script); ``summary_json`` asks the generator
+    for its description of what it wrote (config, with the oracle's names, and tensor list)."""
     out = Path(out)
-    gen = generator if generator is not None else oracle_generator()
+    ours = generator is None
+    gen = PROJECT_GENERATOR if ours else generator
     cmd = [sys.executable, str(gen), "--out", str(out), *SMALL_MODEL_ARGS, *extra_args]
+    if ours:
+        cmd += ["--oracle-bytes", "--quiet"]
     if tokenizer:
         cmd += ["--tokenizer-json", str(write_small_tokenizer_json(out.with_suffix(".tokenizer.json")))]
     else:
         cmd += ["--no-tokenizer"]
     if summary_json is not None:
         cmd += ["--summary-json", str(summary_json)]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    env = None
+    if ours:  # the script imports ds4_mlx: the tree this module belongs to, installed or not
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
+    if ours and summary_json is not None:
+        _oracle_style_summary(Path(summary_json))
     return out
 
 

