@@ -404,7 +404,7 @@ def _call_with_marks(fn, fixtures):
         fn(**kwargs)
 
 
-def test_existing_template_cases_tokenize_as_ds4(ds4_tokenizer, shared_dir, monkeypatch):
+def test_existing_template_cases_tokenize_as_ds4(ds4_tokenizer, reference_dir, monkeypatch):
     """Every prompt the byte-exact template and DSML tests render is tokenized here both ways:
     where its text holds no special string outside the template's, the safe ids are ds4's."""
     import test_chat_template
@@ -432,7 +432,7 @@ def test_existing_template_cases_tokenize_as_ds4(ds4_tokenizer, shared_dir, monk
         "render_tool_calls": wrap(dsml.render_tool_calls,
                                   lambda t, *a, **k: encode_pieces(t, tool_call_pieces(*a, **k))),
     }
-    fixtures = {"ds4_tokenizer": tok, "shared_dir": shared_dir}
+    fixtures = {"ds4_tokenizer": tok, "reference_dir": reference_dir}
     for mod in (test_chat_template, test_dsml):
         for name, value in patched.items():
             if hasattr(mod, name):
