@@ -96,3 +96,27 @@ def was_given(args: argparse.Namespace, dest: str) -> bool:
 CTX = ranged(int, 2, MAX_CTX, why=f"DS4 Flash's context length is {MAX_CTX}")
 SEED = ranged(int, 0, MAX_SEED, why="a 64-bit unsigned seed (0 = time-based)")
 TOKENS = ranged(int, 0, why="a count of tokens")
+
+
+def add_think_options(p: argparse.ArgumentParser) -> None:
+    """``--think`` (the default) | ``--think-max`` | ``--nothink``, into ``args.think`` as the
+    template's mode names; one definition for every command that renders a chat prompt."""
+    think = p.add_mutually_exclusive_group()
+    think.add_argument("--think", dest="think", action="store_const", const="high", help="thinking mode (default)")
+    think.add_argument("--think-max", dest="think", action="store_const", const="max",
+                       help="Think Max when --ctx >= 393216, else normal thinking")
+    think.add_argument("--nothink", dest="think", action="store_const", const="none",
+                       help="answer directly (the assistant turn starts with </think>)")
+    p.set_defaults(think="high")
+
+
+def add_sampling_options(p: argparse.ArgumentParser) -> None:
+    """ds4's sampler knobs with its CLI defaults (temperature 1, top-p 1, min-p 0.05, top-k off)."""
+    p.add_argument("--temp", action=ranged(float, 0, 100, why="a temperature (0 = greedy; ds4's limit is 100)"),
+                   default=1.0, metavar="T", help="temperature, 0..100; 0 = greedy (default 1)")
+    p.add_argument("--top-p", action=ranged(float, 0, 1, lo_open=True, why="it is a probability mass"),
+                   default=1.0, metavar="P", help="nucleus probability mass, (0, 1] (default 1 = off)")
+    p.add_argument("--min-p", action=ranged(float, 0, 1, why="it is a fraction of the best token's probability"),
+                   default=0.05, metavar="P", help="min probability relative to the best, [0, 1] (default 0.05)")
+    p.add_argument("--top-k", action=ranged(int, 0, MAX_TOP_K, why=f"ds4 samples among at most {MAX_TOP_K}"),
+                   default=0, metavar="K", help=f"sample among the K best (0 = off, max {MAX_TOP_K})")

@@ -36,7 +36,9 @@ from pathlib import Path
 
 from ds4_mlx.chat.template import DEFAULT_SYSTEM, THINK_CLOSE, THINK_OPEN, ChatTranscript, ThinkMode
 from ds4_mlx.errors import Ds4Error
-from ds4_mlx.frontends.args import CTX, MAX_CTX, MAX_TOP_K, SEED, TOKENS, check_number, ranged
+from ds4_mlx.frontends.cmd_demo import default_cache_dir  # one cache folder for demo model, chats, history
+from ds4_mlx.frontends.args import (CTX, MAX_CTX, SEED, TOKENS, add_sampling_options, add_think_options,
+                                    check_number, ranged)
 
 # A cap, not a target: Ctrl-C ends an answer early, and a turn never runs past the context
 # (ds4's 50000 is the same idea; generate's 256 is too short for a thinking answer).
@@ -76,11 +78,6 @@ class ChatCommandError(Ds4Error):
     """A REPL command that cannot run: one line, and the REPL goes on."""
 
 
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "ds4-mlx"
-
-
 def register(sub) -> None:
     p = sub.add_parser("chat", help="interactive chat (ds4's REPL): one live session across turns",
                        description="Chat with the model; type /help for commands. With stdin piped, "
@@ -88,20 +85,8 @@ def register(sub) -> None:
     p.add_argument("-m", "--model", required=True, help="DS4 Flash GGUF file")
     p.add_argument("-sys", "--system", default=None,
                    help='system prompt; "" disables it (default: "You are a helpful assistant")')
-    think = p.add_mutually_exclusive_group()
-    think.add_argument("--think", dest="think", action="store_const", const="high", help="thinking mode (default)")
-    think.add_argument("--think-max", dest="think", action="store_const", const="max",
-                       help="Think Max when --ctx >= 393216, else normal thinking")
-    think.add_argument("--nothink", dest="think", action="store_const", const="none",
-                       help="answer directly (assistant turns start with </think>)")
-    p.add_argument("--temp", action=ranged(float, 0, 100, why="a temperature (0 = greedy; ds4's limit is 100)"),
-                   default=1.0, metavar="T", help="temperature, 0..100; 0 = greedy (default 1)")
-    p.add_argument("--top-p", action=ranged(float, 0, 1, lo_open=True, why="it is a probability mass"),
-                   default=1.0, metavar="P", help="nucleus probability mass, (0, 1] (default 1 = off)")
-    p.add_argument("--min-p", action=ranged(float, 0, 1, why="it is a fraction of the best token's probability"),
-                   default=0.05, metavar="P", help="min probability relative to the best, [0, 1] (default 0.05)")
-    p.add_argument("--top-k", action=ranged(int, 0, MAX_TOP_K, why=f"ds4 samples among at most {MAX_TOP_K}"),
-                   default=0, metavar="K", help=f"sample among the K best (0 = off, max {MAX_TOP_K})")
+    add_think_options(p)
+    add_sampling_options(p)
     p.add_argument("--seed", action=SEED, default=0, metavar="N",
                    help="sampling seed of every turn, 0..2^64-1 (default 0: time-based)")
     p.add_argument("-n", "--tokens", action=TOKENS, default=DEFAULT_MAX_TOKENS, metavar="N",

@@ -30,7 +30,8 @@ import time
 from pathlib import Path
 
 from ds4_mlx.errors import Ds4Error
-from ds4_mlx.frontends.args import CTX, MAX_CTX, MAX_TOP_K, SEED, TOKENS, ranged, was_given
+from ds4_mlx.frontends.args import (CTX, MAX_CTX, SEED, TOKENS, add_sampling_options, add_think_options,
+                                    ranged, was_given)
 
 # mlx-lm's default, and the library's generate(max_tokens=...): the CLI and the API agree. ds4's
 # 50000 suits long reasoning but makes a forgotten -n run for hours on a slow machine.
@@ -54,20 +55,8 @@ def register(sub) -> None:
                    help="tokenize the prompt as given (special markers recognised, no chat template)")
     p.add_argument("-sys", "--system", default=None,
                    help='system prompt; "" disables it (default: "You are a helpful assistant")')
-    think = p.add_mutually_exclusive_group()
-    think.add_argument("--think", dest="think", action="store_const", const="high", help="thinking mode (default)")
-    think.add_argument("--think-max", dest="think", action="store_const", const="max",
-                       help="Think Max when --ctx >= 393216, else normal thinking")
-    think.add_argument("--nothink", dest="think", action="store_const", const="none",
-                       help="answer directly (assistant turn starts with </think>)")
-    p.add_argument("--temp", action=ranged(float, 0, 100, why="a temperature (0 = greedy; ds4's limit is 100)"),
-                   default=1.0, metavar="T", help="temperature, 0..100; 0 = greedy (default 1)")
-    p.add_argument("--top-p", action=ranged(float, 0, 1, lo_open=True, why="it is a probability mass"),
-                   default=1.0, metavar="P", help="nucleus probability mass, (0, 1] (default 1 = off)")
-    p.add_argument("--min-p", action=ranged(float, 0, 1, why="it is a fraction of the best token's probability"),
-                   default=0.05, metavar="P", help="min probability relative to the best, [0, 1] (default 0.05)")
-    p.add_argument("--top-k", action=ranged(int, 0, MAX_TOP_K, why=f"ds4 samples among at most {MAX_TOP_K}"),
-                   default=0, metavar="K", help=f"sample among the K best (0 = off, max {MAX_TOP_K})")
+    add_think_options(p)
+    add_sampling_options(p)
     p.add_argument("--seed", action=SEED, default=0, metavar="N",
                    help="sampling seed, 0..2^64-1 (default 0: time-based)")
     p.add_argument("-n", "--tokens", action=TOKENS, default=DEFAULT_MAX_TOKENS, metavar="N",
