@@ -13,8 +13,8 @@
    down 4096 x 2048, 6 experts for a decoded token; a 64-token prefill over 256 experts), compared with
    its MLX-ops twin, then timed: bytes moved (weights of the distinct experts + activations + outputs),
    ms per call, achieved GB/s and the share of the device's memory bandwidth.
-3. On the CPU (no custom kernels can run): the host-shim correctness run of both dialects
-   (tests/test_kernels.py -k host), reported as pass/fail.
+3. On the CPU (no custom kernels can run): the strict host shim's correctness run of both dialects
+   (tests/test_kernel_shim.py -k slice, every kernel against its twin), reported as pass/fail.
 """
 
 from __future__ import annotations
@@ -215,8 +215,8 @@ def run_gpu(dialect: str, peak_override: float | None, quick: bool) -> bool:
 def run_host_shim() -> bool:
     print("\nno Metal or CUDA GPU: custom kernels cannot run here; host-shim correctness of both dialects:")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", os.path.join(root, "tests", "test_kernels.py"),
-                           "-k", "host or nvcc"], cwd=root, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", os.path.join(root, "tests", "test_kernel_shim.py"),
+                           "-k", "slice"], cwd=root, capture_output=True, text=True)
     print("  " + (proc.stdout.strip().splitlines() or ["(no output)"])[-1])
     return proc.returncode == 0
 

@@ -1,16 +1,23 @@
-"""The Metal kernels on the strict host shim (tests/kernel_shim): exact MLX-generated sources, address spaces
-as types, threads as randomly interleaved fibers with real barriers and SIMD rendezvous, poisoned memory,
-partial threadgroups, ASan + UBSan, alignment-checked loads; and planted faults it must catch.
+"""The GPU kernels on the strict host shim (tests/kernel_shim), in both dialects: exact generated sources
+(MLX's own for Metal, MLX's build_kernel rules for CUDA), address spaces as types (Metal), threads as
+randomly interleaved fibers with real barriers and SIMD / warp rendezvous, poisoned memory (NaN), the launch
+geometry each backend uses, ASan + UBSan or canaries, alignment-checked loads, weights at +2 bytes; and
+planted faults it must catch.
 
-Bound for kernel vs twin: both are float32 dot products of exactly decoded weights (the decoders are
-checked bit for bit below), so each is within gamma = (n_in + 2) * 2^-24 of sum |w||x| of the exact value
-whatever the summation order (the standard a-priori bound of float summation); the test checks the
-kernel's wrapper output against the float64 value with that bound and against the twin with twice it.
+Bounds (the kernel author's, tests/test_kernels.py), per output, against the float64 value of the exactly
+decoded weights: decode kernels (matvec, fused SwiGLU through ``swiglu_bound``) MATVEC_REL * S_m, the
+prefill tiles GATHER_REL * S; the MLX-ops twin must sit within the same bound, so kernel and twin agree
+within twice it. The block decoders are checked bit for bit.
+
+Suite time (2 cores): each variant's executable is cached by content hash in the temp directory, and all
+shapes of one test run in one process. The default run uses the optimised build without sanitizers for
+the coverage slice and ASan + UBSan for a representative slice; the exhaustive sweep is ``slow``.
 """
 
 from __future__ import annotations
 
 import itertools
+import zlib
 
 import ds4_mlx  # noqa: F401  (first: binds MLX to a fast BLAS before mlx.core loads)
 import mlx.core as mx
@@ -21,7 +28,8 @@ from ds4_mlx.formats.ggml_types import GGMLType
 from ds4_mlx.formats.quants import dequantize_rows
 from ds4_mlx.model import metal_kernels as mk
 from kernel_shim import shim
-from test_kernels import EXPERT_TYPES, random_rows
+from test_kernels import (EXPERT_TYPES, GATHER_REL, HOST_SHAPES, MATVEC_REL, abs_scale, pair_reference,
+                          random_rows, split_scale, swiglu_bound)
 
 pytestmark = pytest.mark.skipif(shim.gxx() is None, reason="g++ (C++20) not found: host run of kernel sources")
 
@@ -29,231 +37,326 @@ OUT_DIMS = (1, 5, 61)
 N_INS = (256, 512, 1280, 4096)
 PAIRS = (1, 6, 17, 40)
 U = 3  # expert slabs
-EXPERT_KERNELS = {"expert_matvec": mk.expert_matvec_kernel, "expert_gather_mm": mk.expert_gather_mm_kernel}
+KERNELS = ("expert_matvec", "expert_swiglu", "expert_gather_mm", "q8_0_matvec")
+ALL_TYPES = (*EXPERT_TYPES, GGMLType.Q8_0)
+DIALECTS = shim.DIALECTS
+# Suite time: every planted fault is its own compile, so in the default run the CUDA dialect shows the
+# faults whose catching differs from Metal's (UBSan alignment instead of typed pointers, a const write
+# instead of address-space types) and the rest of its fault list, like its ASan slice, runs with `slow`.
+CUDA_SLOW = pytest.param("cuda", marks=pytest.mark.slow)
 
 
-def _case(qtype, out_dim, n_in, n_pairs, seed):
-    rng = np.random.default_rng(seed)
-    slabs = random_rows(rng, qtype, (U, out_dim), n_in)
-    n_rows = max(2, n_pairs // 2)
-    x = rng.standard_normal((n_rows, n_in)).astype(np.float32)
-    slot = rng.integers(0, U, n_pairs)
-    rows = rng.integers(0, n_rows, n_pairs)
-    return slabs, x, slot, rows
+def _bad(got, ref, bound):
+    return ~(np.abs(np.asarray(got, dtype=np.float64) - ref) <= bound)  # NaN (poison left) counts as bad
 
 
-def _exact(slabs, qtype, x, slot, rows):
-    w = dequantize_rows(slabs, qtype).astype(np.float64)
-    ref = np.stack([w[s] @ x[r].astype(np.float64) for s, r in zip(slot, rows)])
-    scale = np.stack([np.abs(w[s]) @ np.abs(x[r]).astype(np.float64) for s, r in zip(slot, rows)])
-    return ref, scale
-
-
-def _check(got, twin, ref, scale, n_in, what):
-    gamma = (n_in + 2) * 2.0**-24
-    got = np.asarray(got, dtype=np.float64)
-    bad = ~(np.abs(got - ref) <= gamma * scale)  # NaN (poison never overwritten) counts as bad
-    assert not bad.any(), f"{what}: {bad.sum()} outputs off the exact value, e.g. {got[bad][:3]} vs {ref[bad][:3]}"
-    bad = ~(np.abs(got - twin) <= 2 * gamma * scale)
-    assert not bad.any(), f"{what}: {bad.sum()} outputs off the twin"
-
-
-def _expert_cases(key, shapes):
-    """[(label, fn, checker)] for the expert kernel `key` on `shapes` (qtype, out, n_in, P)."""
-    cases = []
-    for qtype, out_dim, n_in, n_pairs in shapes:
-        slabs, x, slot, rows = _case(qtype, out_dim, n_in, n_pairs, hash((qtype, out_dim, n_in, n_pairs)) % 2**32)
-        fn = (lambda s=slabs, q=qtype, xx=x, sl=slot, r=rows:
-              EXPERT_KERNELS[key](mx.array(s), q, mx.array(xx), sl, r))
-
-        def checker(got, s=slabs, q=qtype, xx=x, sl=slot, r=rows, n=n_in, lab=f"{key} {qtype.name} out={out_dim} "
-                    f"n_in={n_in} P={n_pairs}"):
-            twin = np.array(mk.expert_matmul_twin(mx.array(s), q, mx.array(xx), sl, r)).astype(np.float64)
-            ref, scale = _exact(s, q, xx, sl, r)
-            _check(got, twin, ref, scale, n, lab)
-
-        cases.append((f"{key}/{qtype.name}/o{out_dim}/n{n_in}/p{n_pairs}", fn, checker))
-    return cases
-
-
-def _q8_cases(shapes):
-    cases = []
-    for out_dim, n_in, r in shapes:
-        rng = np.random.default_rng(out_dim * 7919 + n_in + r)
+def _case(key, qtype, out_dim, n_in, n_pairs, dialect):
+    """(label, fn, checker) for kernel ``key`` through its wrapper. For q8_0_matvec, n_pairs is the number
+    of input rows (<= 4: matvec kernel, beyond: the tiled kernel)."""
+    label = f"{dialect}/{key}/{qtype.name}/o{out_dim}/n{n_in}/p{n_pairs}"
+    rng = np.random.default_rng(zlib.crc32(label.encode()))
+    x_rows = max(2, n_pairs // 2)
+    if key == "q8_0_matvec":
         w = random_rows(rng, GGMLType.Q8_0, (out_dim,), n_in)
-        x = rng.standard_normal((r, n_in)).astype(np.float32)
-        fn = lambda w=w, x=x: mk.q8_0_matvec_kernel(mx.array(w), mx.array(x))  # noqa: E731
+        x = rng.standard_normal((n_pairs, n_in)).astype(np.float32)
+        fn = lambda: mk.q8_0_matvec_kernel(mx.array(w), mx.array(x), dialect=dialect)  # noqa: E731
+        twin = lambda: mk.q8_0_matvec_twin(mx.array(w), mx.array(x))  # noqa: E731
+        slot, rows = np.zeros(n_pairs, np.int64), np.arange(n_pairs)
+        slabs, x_all = w[None], x
+        rel = MATVEC_REL if n_pairs <= mk.Q8_MATVEC_MAX_ROWS else GATHER_REL
+        ref = pair_reference(slabs, qtype, x_all, slot, rows).astype(np.float64)
+        bound = rel * split_scale(slabs, qtype, x_all, slot, rows)
+    else:
+        slabs = random_rows(rng, qtype, (U, out_dim), n_in)
+        up = random_rows(rng, qtype, (U, out_dim), n_in)
+        x = rng.standard_normal((x_rows, n_in)).astype(np.float32)
+        slot = rng.integers(0, U, n_pairs)
+        rows = rng.integers(0, x_rows, n_pairs)
+        ref = pair_reference(slabs, qtype, x, slot, rows).astype(np.float64)
+        if key == "expert_swiglu":
+            ref_u = pair_reference(up, qtype, x, slot, rows).astype(np.float64)
+            c = float(np.median(np.abs(ref))) + 1e-3  # about half the gates clamped
+            fn = lambda: mk.expert_swiglu_kernel(mx.array(slabs), mx.array(up), qtype, mx.array(x), slot,  # noqa: E731
+                                                 rows, c, dialect=dialect)
+            twin = lambda: mk.expert_swiglu_twin(mx.array(slabs), mx.array(up), qtype, mx.array(x), slot,  # noqa: E731
+                                                 rows, c)
+            bound = swiglu_bound(ref, ref_u, MATVEC_REL * split_scale(slabs, qtype, x, slot, rows),
+                                 MATVEC_REL * split_scale(up, qtype, x, slot, rows), c)
+            gc = np.minimum(ref, c)
+            ref = gc / (1.0 + np.exp(-gc)) * np.clip(ref_u, -c, c)
+        else:
+            kern = mk.expert_matvec_kernel if key == "expert_matvec" else mk.expert_gather_mm_kernel
+            fn = lambda: kern(mx.array(slabs), qtype, mx.array(x), slot, rows, dialect=dialect)  # noqa: E731
+            twin = lambda: mk.expert_matmul_twin(mx.array(slabs), qtype, mx.array(x), slot, rows)  # noqa: E731
+            bound = (MATVEC_REL * split_scale(slabs, qtype, x, slot, rows) if key == "expert_matvec"
+                     else GATHER_REL * abs_scale(slabs, qtype, x, slot, rows))
 
-        def checker(got, w=w, x=x, n=n_in, lab=f"q8_0_matvec out={out_dim} n_in={n_in} R={r}"):
-            wd = dequantize_rows(w, GGMLType.Q8_0).astype(np.float64)
-            twin = np.array(mk.q8_0_matvec_twin(mx.array(w), mx.array(x))).astype(np.float64)
-            _check(got, twin, x.astype(np.float64) @ wd.T, np.abs(x).astype(np.float64) @ np.abs(wd).T, n, lab)
+    def checker(got):
+        bad = _bad(got, ref, bound)
+        assert not bad.any(), (f"{label}: {bad.sum()} of {bad.size} outputs off the exact value, "
+                               f"e.g. {np.asarray(got)[bad][:3]} vs {ref[bad][:3]}")
+        tw = np.array(twin())
+        assert not _bad(tw, ref, bound).any(), f"{label}: the twin is off the exact value"
+        assert not _bad(got, tw, 2 * bound).any(), f"{label}: off the twin"
 
-        cases.append((f"q8_0/o{out_dim}/n{n_in}/r{r}", fn, checker))
-    return cases
+    return label, fn, checker
 
 
-def run_cases(cases, opts=None, kernel_patch=None):
+def cases(keys, shapes, dialect):
+    """Cases for kernels ``keys`` on shapes (qtype, out_dim, n_in, P); Q8_0 only for q8_0_matvec."""
+    out = []
+    for key in keys:
+        for qtype, o, n, p in shapes:
+            if (key == "q8_0_matvec") == (qtype == GGMLType.Q8_0):
+                out.append(_case(key, qtype, o, n, p, dialect))
+    return out
+
+
+def run_cases(case_list, opts=None, kernel_patch=None, launch_patch=None):
     """Record every case's launches, run them all in one shim process, replay and check each."""
     launches, counts = [], []
-    for label, fn, _ in cases:
+    for label, fn, _ in case_list:
         got = shim.record(fn)
         for i, ln in enumerate(got):
             ln.label = f"{label}#{i}"
             if kernel_patch:
                 ln.kernel = kernel_patch(ln.kernel)
+            if launch_patch:
+                launch_patch(ln)
         launches += got
         counts.append(len(got))
     result = shim.run(launches, opts)
     if result.failure:
         return result
     at = 0
-    for (label, fn, checker), n in zip(cases, counts):
+    for (label, fn, checker), n in zip(case_list, counts):
         outs = result.outputs[at:at + n]
         at += n
         checker(np.array(shim.replay(fn, outs)))
     return result
 
 
-ALL_EXPERT_SHAPES = list(itertools.product(EXPERT_TYPES, OUT_DIMS, N_INS, PAIRS))
+def _ok(result):
+    assert result.failure is None, f"{result.failed_label}: {result.failure}"
+
+
+# every out_dim, n_in and P at least once for every format and kernel (the twins' HOST_SHAPES slice), plus
+# q8_0 on both sides of its matvec / tiled switch
+SLICE = [(q, o, n, p) for q in ALL_TYPES for (o, n, p) in HOST_SHAPES]
+SLICE_Q8_ROWS = [(GGMLType.Q8_0, 61, 512, 4), (GGMLType.Q8_0, 5, 256, 5)]
+ALL_SHAPES = list(itertools.product(ALL_TYPES, OUT_DIMS, N_INS, PAIRS))
 
 
 # --------------------------------------------------------------------------------------------------
 # what MLX generates
 
 
-def test_generated_source_follows_mlx_rules():
+def test_generated_metal_source_follows_mlx_rules():
     """Decode (P = 6 pairs) passes the pair tables in `constant` memory, prefill (P = 17) in `device`."""
     sources = {}
     for p in (6, 17):
-        slabs, x, slot, rows = _case(GGMLType.Q2_K, 5, 256, p, 0)
-        (ln,) = shim.record(lambda: mk.expert_matvec_kernel(mx.array(slabs), GGMLType.Q2_K, mx.array(x), slot, rows))
+        _, fn, _ = _case("expert_matvec", GGMLType.Q2_K, 5, 256, p, "metal")
+        (ln,) = shim.record(fn)
         sources[p] = shim.generated_source(ln)
     assert "  const constant int32_t* pair_slot [[buffer(2)]]," in sources[6]
     assert "  const device int32_t* pair_slot [[buffer(2)]]," in sources[17]
     assert "  const device uint8_t* w [[buffer(0)]]," in sources[6]
-    assert "  uint thread_index_in_simdgroup [[thread_index_in_simdgroup]]," in sources[6]
-    assert '[[host_name("custom_kernel_ds4_expert_matvec__10_256_5_84_uint8_t_float_int32_tc_int32_tc_float")]]' \
+    assert "  uint thread_index_in_threadgroup [[thread_index_in_threadgroup]]," in sources[6]
+    assert '[[host_name("custom_kernel_ds4_expert_matvec__10_256_5_84_4_4_uint8_t_float_int32_tc_int32_tc_float")]]' \
         in sources[6]
 
 
-# --------------------------------------------------------------------------------------------------
-# every kernel on every shape
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("key", sorted(EXPERT_KERNELS))
-def test_expert_kernels_on_all_shapes(key):
-    result = run_cases(_expert_cases(key, ALL_EXPERT_SHAPES), shim.Options(seed=11))
-    assert result.failure is None, f"{result.failed_label}: {result.failure}"
-
-
-def test_expert_kernels_decode_and_partial_groups():
-    """The quick slice: P = 6 (constant tables), out_dim 5 and 61 (partial threadgroups), every type."""
-    shapes = [(q, o, n, p) for q in EXPERT_TYPES for (o, n, p) in ((5, 256, 6), (61, 1280, 6), (1, 512, 17))]
-    for key in EXPERT_KERNELS:
-        result = run_cases(_expert_cases(key, shapes), shim.Options(seed=3))
-        assert result.failure is None, f"{result.failed_label}: {result.failure}"
-
-
-@pytest.mark.slow
-def test_q8_0_matvec_on_all_shapes():
-    result = run_cases(_q8_cases(list(itertools.product(OUT_DIMS, N_INS, PAIRS))), shim.Options(seed=5))
-    assert result.failure is None, f"{result.failed_label}: {result.failure}"
-
-
-def test_weights_two_bytes_off_alignment():
-    """Weights at base + 2: every typed read is alignment-checked, so a wide load would fail here."""
-    shapes = [(q, 5, 512, 6) for q in EXPERT_TYPES]
-    cases = _expert_cases("expert_matvec", shapes) + _expert_cases("expert_gather_mm", shapes)
-    cases += _q8_cases([(5, 512, 2)])
-    result = run_cases(cases, shim.Options(seed=7, offsets={"w": 2}))
-    assert result.failure is None, f"{result.failed_label}: {result.failure}"
+def test_generated_cuda_source_follows_mlx_rules():
+    """No constant space in CUDA: every input `const T*`; template ints as constexpr locals (build_kernel)."""
+    _, fn, _ = _case("expert_matvec", GGMLType.Q2_K, 5, 256, 6, "cuda")
+    (ln,) = shim.record(fn)
+    assert ln.dialect == "cuda"
+    src = shim.generated_source(ln)
+    assert src.startswith(shim.CUDA_DEFAULT_HEADER + ln.kernel.header + "namespace mlx::core::cu {\n")
+    assert ("__global__ void custom_kernel_ds4_expert_matvec_10_256_5_84_4_4(\n    const uint8_t* w,\n"
+            "    const float* x,\n    const int32_t* pair_slot,\n    const int32_t* pair_row,\n    float* y) {\n"
+            "  constexpr int QT = 10;\n") in src
+    assert src.endswith("\n}\n\n} // namespace mlx::core::cu\n")
 
 
 # --------------------------------------------------------------------------------------------------
-# planted faults: mutated copies of the kernels that the shim must catch
+# every kernel, both dialects
 
-_TG_REDUCE = """threadgroup float partial[128];
-partial[thread_index_in_threadgroup] = acc;
-threadgroup_barrier(mem_flags::mem_threadgroup);
-if (lane == 0) {
-    acc = 0.0f;
-    for (uint l = 0; l < 32u; ++l) {
-        acc += partial[thread_index_in_threadgroup + l];
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_kernels_on_the_coverage_slice(dialect):
+    """Every kernel and format at out_dim 1/5/61, n_in 256..4096, P 1..40 (optimised build, poison on)."""
+    _ok(run_cases(cases(KERNELS, SLICE + SLICE_Q8_ROWS, dialect), shim.Options(seed=3, variant="plain")))
+
+
+@pytest.mark.parametrize("dialect", ["metal", CUDA_SLOW])
+def test_kernels_under_sanitizers_with_weights_two_bytes_off(dialect):
+    """ASan + UBSan on a representative slice, weights at base + 2 (every typed read alignment-checked)."""
+    shapes = [(q, 5, 512, 6) for q in ALL_TYPES] + [(GGMLType.IQ2_XXS, 61, 256, 17)]
+    opts = shim.Options(seed=7, variant="asan", offsets={"w": 2, "wg": 2, "wu": 2})
+    _ok(run_cases(cases(KERNELS, shapes, dialect), opts))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dialect", DIALECTS)
+@pytest.mark.parametrize("key", KERNELS)
+def test_kernels_on_all_shapes(dialect, key):
+    _ok(run_cases(cases([key], ALL_SHAPES, dialect), shim.Options(seed=11, variant="plain")))
+
+
+# A test-only body: thread t of a 128-thread group decodes 8 weights of one row with ds4_deq8.
+_DEQUANT_BODY = """
+DS4_TG ds4_u64 ds4_grid[256];
+DS4_TG uchar ds4_signs[128];
+ds4_stage_iq2(ds4_grid, ds4_signs, ds4_tid, 128u);
+DS4_BARRIER();
+const uint row = ds4_gy;
+const DS4_GLOBAL uchar* wrow = w + ulong(row) * ulong(ROW_BYTES);
+float wv[8];
+for (uint c = ds4_tid; c < uint(N_IN) / 8u; c += 128u) {
+    ds4_deq8<QT>(wrow, c >> 2, c & 3u, ds4_grid, ds4_signs, wv);
+    for (uint e = 0; e < 8u; ++e) {
+        y[ulong(row) * ulong(N_IN) + 8u * c + e] = wv[e];
     }
-}"""
-_Q8_BYTES = """    for (uint l = 0; l < 32u; ++l) {
-        const uint b = blk[2u + l];"""
-_Q8_WORDS = """    const device uint* q4 = (const device uint*)(blk + 2u);
-    for (uint l = 0; l < 32u; ++l) {
-        const uint b = (uint(q4[l / 4u]) >> (8u * (l % 4u))) & 255u;"""
-_Q4K_BYTES = "w[l] = ds * float((uint(qs[l]) >> shift) & 15u) - dm;"
-_Q4K_WORDS = "w[l] = ds * float((((uint(((const device uint*)qs)[l / 4u]) >> (8u * (l % 4u))) & 255u) >> shift) & 15u) - dm;"
+}
+"""
 
 
-def _outcome(cases, patch, opts):
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_block_decoders_are_bit_exact(dialect):
+    """ds4_deq8 (what the prefill tiles hold) reproduces numpy's dequantizers bit for bit."""
+    header, body = mk.kernel_sources("expert_matvec", dialect)
+    prologue = body[:body.index(mk._read_kernel_file("expert_matvec.body"))]
+    kdef = shim.KernelDef("ds4_deq_test", ("w",), ("y",), prologue + _DEQUANT_BODY, header, dialect=dialect)
+    launches, wants = [], []
+    rng = np.random.default_rng(99)
+    for qtype in ALL_TYPES:
+        for n_in in (256, 1280):
+            w = random_rows(rng, qtype, (5,), n_in)
+            launches.append(shim.Launch(kdef, [w], [("QT", int(qtype)), ("N_IN", n_in), ("ROW_BYTES", w.shape[1])],
+                                        (128, 5, 1), (128, 1, 1), [(5, n_in)], [mx.float32],
+                                        label=f"deq/{qtype.name}/{n_in}"))
+            wants.append(dequantize_rows(w, qtype))
+    result = shim.run(launches, shim.Options(seed=9, variant="plain"))
+    _ok(result)
+    for ln, (got,), want in zip(launches, result.outputs, wants):
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), ln.label
+
+
+# --------------------------------------------------------------------------------------------------
+# planted faults: mutated copies of the kernels that the shim must catch, in both dialects (the kernel
+# bodies and quant_common.h are shared, so each mutation is one edit that both dialects compile)
+
+
+def _outcome(case_list, opts, kernel_patch=None, launch_patch=None):
     """None when the mutated kernels pass every check, else what caught them."""
     try:
-        result = run_cases(cases, opts, kernel_patch=patch)
-    except AssertionError as e:  # twin mismatch
-        return f"twin mismatch: {str(e).splitlines()[0]}"
+        result = run_cases(case_list, opts, kernel_patch=kernel_patch, launch_patch=launch_patch)
+    except AssertionError as e:  # off the exact value or the twin
+        return f"wrong result: {str(e).splitlines()[0]}"
     return result.failure
 
 
-def _matvec(shapes):
-    return _expert_cases("expert_matvec", shapes)
+FAST = dict(variant="check")
 
 
-def test_fault_off_by_one_is_caught():
+@pytest.mark.parametrize("dialect", ["metal", CUDA_SLOW])
+def test_fault_off_by_one_is_caught(dialect):
+    """The prefill k loop one step too far reads past the weights: ASan in the sanitizer build."""
     patch = lambda k: k.patched("sub < uint(N_IN) / 32u", "sub <= uint(N_IN) / 32u")  # noqa: E731
-    caught = _outcome(_matvec([(GGMLType.Q2_K, 5, 256, 6)]), patch, shim.Options(seed=1))
-    assert caught and ("heap-buffer-overflow" in caught or "twin mismatch" in caught), caught
+    caught = _outcome(cases(["expert_gather_mm"], [(GGMLType.Q2_K, 5, 256, 17)], dialect),
+                      shim.Options(seed=1, variant="asan"), patch)
+    assert caught and "heap-buffer-overflow" in caught, caught
 
 
-def test_fault_missing_barrier_is_caught():
-    cases = _matvec([(GGMLType.Q4_K, 5, 512, 6)])
-    good = lambda k: k.patched("acc = simd_sum(acc);", _TG_REDUCE)  # noqa: E731
-    # the threadgroup-memory reduction with its barrier is correct on the shim ...
-    assert _outcome(cases, good, shim.Options(seed=2, variant="check")) is None
-    # ... and without it, lanes read partial sums not yet written (poisoned NaN) under the interleaving
-    bad = lambda k: good(k).patched("threadgroup_barrier(mem_flags::mem_threadgroup);\n", "")  # noqa: E731
-    caught = _outcome(cases, bad, shim.Options(seed=2, variant="check"))
-    assert caught and "twin mismatch" in caught, caught
+@pytest.mark.parametrize("dialect", ["metal", CUDA_SLOW])
+def test_fault_off_by_one_output_row_is_caught(dialect):
+    """The decode kernel writing one row past its valid rows: past the output end (canary) or a neighbour."""
+    patch = lambda k: k.patched("if (lane == 0u && r < nvalid)", "if (lane == 0u && r <= nvalid)")  # noqa: E731
+    caught = _outcome(cases(["expert_matvec"], [(GGMLType.Q4_K, 5, 256, 6)], dialect),
+                      shim.Options(seed=1, variant="plain"), patch)
+    assert caught and ("write past the end" in caught or "wrong result" in caught), caught
 
 
-def test_fault_unaligned_wide_load_is_caught():
-    patch = lambda k: k.patched(_Q8_BYTES, _Q8_WORDS, where="header")  # noqa: E731
-    caught = _outcome(_q8_cases([(5, 256, 1)]), patch, shim.Options(seed=3, variant="check"))
-    assert caught and "misaligned 4-byte access in device memory" in caught, caught
+@pytest.mark.parametrize("dialect", ["metal", CUDA_SLOW])
+def test_fault_missing_barrier_is_caught(dialect):
+    """Without the barrier between staging the tiles and multiplying them, threads read tile entries not
+    yet written (poisoned NaN) under the interleaving."""
+    anchor = "    DS4_BARRIER();\n#if DS4_METAL\n    for (uint kk"
+    patch = lambda k: k.patched(anchor, anchor.replace("    DS4_BARRIER();\n", ""))  # noqa: E731
+    caught = _outcome(cases(["expert_gather_mm"], [(GGMLType.Q4_K, 5, 256, 17)], dialect),
+                      shim.Options(seed=2, **FAST), patch)
+    assert caught and "wrong result" in caught, caught
 
 
-def test_fault_wide_load_aligned_only_to_the_buffer_is_caught_at_offset_two():
-    """Q4_K codes read as words are aligned from an aligned base, so only the +2 variant exposes them."""
-    patch = lambda k: k.patched(_Q4K_BYTES, _Q4K_WORDS, where="header")  # noqa: E731
-    cases = _matvec([(GGMLType.Q4_K, 5, 256, 6)])
-    assert _outcome(cases, patch, shim.Options(seed=4, variant="check")) is None
-    caught = _outcome(cases, patch, shim.Options(seed=4, variant="check", offsets={"w": 2}))
-    assert caught and "misaligned 4-byte access" in caught, caught
+_Q8_HALVES = "const uint a = ds4_ld16(blk + 2u + e);"
+_Q8_WORD = "const uint a = *(const DS4_GLOBAL uint*)(blk + 2u + e) & 0xffffu;"
+_Q4K_SCALES = "const float d = ds4_f16_at(blk);\n        const float dmin = ds4_f16_at(blk + 2);"
+_Q4K_WORD = ("const uint dd = *(const DS4_GLOBAL uint*)blk;\n        const float d = ds4_half_bits_to_float(ushort(dd));\n"
+             "        const float dmin = ds4_half_bits_to_float(ushort(dd >> 16));")
+_MISALIGNED = {"metal": "misaligned 4-byte access in device memory", "cuda": "misaligned address"}
 
 
-def test_fault_wrong_address_space_is_caught():
-    """A `device` view of the pair table compiles for prefill but not for decode, where MLX passes it in
-    `constant` memory (fewer than 8 elements); a threadgroup array handed to a `device` pointer never does."""
-    as_device = lambda k: k.patched("pair_slot[p]", "slots[p]").patched(  # noqa: E731
-        "const device float* xr", "const device int32_t* slots = pair_slot;\nconst device float* xr")
-    opts = shim.Options(seed=5, variant="check")
-    caught = _outcome(_matvec([(GGMLType.Q2_K, 5, 256, 6)]), as_device, opts)
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_fault_unaligned_wide_load_is_caught(dialect):
+    """Q8_0 codes start 2 bytes into a 34-byte block: a 4-byte load there is misaligned."""
+    patch = lambda k: k.patched(_Q8_HALVES, _Q8_WORD, where="header")  # noqa: E731
+    caught = _outcome(cases(["q8_0_matvec"], [(GGMLType.Q8_0, 5, 256, 1)], dialect), shim.Options(seed=3, **FAST),
+                      patch)
+    assert caught and _MISALIGNED[dialect] in caught, caught
+
+
+@pytest.mark.parametrize("dialect", ["metal", CUDA_SLOW])
+def test_fault_wide_load_aligned_only_to_the_buffer_is_caught_at_offset_two(dialect):
+    """Q4_K's d and dmin read as one word are aligned from an aligned base (144-byte blocks), so only the
+    +2 variant exposes them."""
+    patch = lambda k: k.patched(_Q4K_SCALES, _Q4K_WORD, where="header", count=2)  # noqa: E731
+    case_list = cases(["expert_matvec"], [(GGMLType.Q4_K, 5, 256, 6)], dialect)
+    assert _outcome(case_list, shim.Options(seed=4, **FAST), patch) is None
+    caught = _outcome(case_list, shim.Options(seed=4, offsets={"w": 2}, **FAST), patch)
+    assert caught and _MISALIGNED[dialect] in caught, caught
+
+
+def test_fault_wrong_address_space_is_caught_metal():
+    """A `device` view of the pair table compiles for prefill-sized tables but not for decode, where MLX
+    passes it in `constant` memory (fewer than 8 elements); the staged threadgroup table handed to a
+    `device` pointer never compiles."""
+    as_device = lambda k: k.patched("pair_slot[p]", "slots[p]", count=1).patched(  # noqa: E731
+        "const uint row0", "const DS4_GLOBAL int* slots = pair_slot;\nconst uint row0")
+    opts = shim.Options(seed=5, **FAST)
+    caught = _outcome(cases(["expert_matvec"], [(GGMLType.Q2_K, 5, 256, 6)], "metal"), opts, as_device)
     assert caught and "cannot convert ‘const shim::asp<2, int>*’ to ‘const shim::asp<1, int>*’" in caught, caught
-    assert _outcome(_matvec([(GGMLType.Q2_K, 5, 256, 17)]), as_device, opts) is None
-    tg_as_device = lambda k: k.patched("acc = simd_sum(acc);", _TG_REDUCE + "\nconst device float* view = partial;")  # noqa: E731
-    caught = _outcome(_matvec([(GGMLType.Q2_K, 5, 256, 17)]), tg_as_device, opts)
-    assert caught and "shim::asp<3, float>" in caught and "g++ rejected" in caught, caught
+    assert _outcome(cases(["expert_matvec"], [(GGMLType.Q2_K, 5, 256, 17)], "metal"), opts, as_device) is None
+    tg_as_device = lambda k: k.patched(  # noqa: E731
+        "const uint row0", "const DS4_GLOBAL ds4_u64* gview = ds4_grid;\nconst uint row0")
+    caught = _outcome(cases(["expert_matvec"], [(GGMLType.Q2_K, 5, 256, 17)], "metal"), opts, tg_as_device)
+    assert caught and "shim::asp<3, long unsigned int>" in caught and "g++ rejected" in caught, caught
 
 
-def test_fault_diverged_simd_lanes_are_caught():
-    """Half the lanes reduce at one SIMD op, half at another: a rendezvous that can never complete."""
-    patch = lambda k: k.patched("acc = simd_sum(acc);",  # noqa: E731
-                                "if (lane < 16u) {\n    acc = simd_sum(acc);\n} else {\n    acc = simd_max(acc);\n}")
-    caught = _outcome(_matvec([(GGMLType.Q2_K, 1, 256, 1)]), patch, shim.Options(seed=6, variant="check"))
-    assert caught and "diverged SIMD lanes" in caught, caught
+_CONST_WRITE = {"metal": "discards qualifiers", "cuda": "assignment of read-only location"}
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_fault_write_through_an_input_is_caught(dialect):
+    """CUDA's analogue of the wrong address space (its pointers are generic): storing into an input, here
+    the fused kernel writing its result over the activations. MLX declares inputs `const` in both dialects,
+    so it fails to compile, as it would in nvcc / the Metal compiler."""
+    patch = lambda k: k.patched("y[ulong(p) * ulong(N_OUT) + ulong(row0 + r)] = ds4_swiglu",  # noqa: E731
+                                "x[ulong(p) * ulong(N_OUT) + ulong(row0 + r)] = ds4_swiglu")
+    caught = _outcome(cases(["expert_swiglu"], [(GGMLType.Q2_K, 5, 256, 6)], dialect), shim.Options(seed=6, **FAST),
+                      patch)
+    assert caught and "g++ rejected" in caught and _CONST_WRITE[dialect] in caught, caught
+
+
+@pytest.mark.parametrize("dialect", ["metal", CUDA_SLOW])
+def test_fault_partial_threadgroup_is_caught(dialect):
+    """The decode kernels stage the IQ2 tables with a stride of the whole group, so they need whole groups:
+    an exact grid (fewer threads than the group) leaves table entries poisoned. Metal cuts the last group
+    short; MLX's CUDA launch makes the block min(threadgroup, grid) threads; both are modelled."""
+    def exact_grid(ln):
+        nr = dict(ln.template)["NR"]
+        ln.grid = ((dict(ln.template)["N_OUT"] + nr - 1) // nr * 32, *ln.grid[1:])
+
+    case_list = cases(["expert_matvec"], [(GGMLType.IQ2_XXS, 5, 256, 6)], dialect)
+    caught = _outcome(case_list, shim.Options(seed=8, **FAST), launch_patch=exact_grid)
+    assert caught and "wrong result" in caught, caught

@@ -16,6 +16,7 @@
 // Failures print one "SHIM-FAIL" line and abort, so the driver can name them.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <csignal>
@@ -53,18 +54,24 @@ namespace shim {
 // ---------------------------------------------------------------------------------------------
 // vectors (Metal layout: size and alignment of N lanes, 3 lanes padded to 4; packed_ = element align)
 
+// Lanes by index (c[i]) and by name (.x .y .z .w, as Metal and CUDA spell them): a union, so both
+// name the same storage.
+template <class T, int N> struct vec_lanes { T c[N]; };
+template <class T> struct vec_lanes<T, 2> { union { T c[2]; struct { T x, y; }; }; };
+template <class T> struct vec_lanes<T, 3> { union { T c[3]; struct { T x, y, z; }; }; };
+template <class T> struct vec_lanes<T, 4> { union { T c[4]; struct { T x, y, z, w; }; }; };
+
 template <class T, int N, bool PACKED>
-struct alignas(PACKED ? alignof(T) : (N == 3 ? 4 : N) * sizeof(T)) vec {
-    T c[N];
+struct alignas(PACKED ? alignof(T) : (N == 3 ? 4 : N) * sizeof(T)) vec : vec_lanes<T, N> {
+    using vec_lanes<T, N>::c;
     vec() = default;
     vec(T s) { for (int i = 0; i < N; ++i) c[i] = s; }
     template <class... A, class = std::enable_if_t<sizeof...(A) == N && (N > 1)>>
-    vec(A... a) : c{T(a)...} {}
+    vec(A... a) { const T v[N] = {T(a)...}; for (int i = 0; i < N; ++i) c[i] = v[i]; }
     template <class U, bool P2> explicit vec(const vec<U, N, P2>& o) { for (int i = 0; i < N; ++i) c[i] = T(o.c[i]); }
     template <bool P2> vec(const vec<T, N, P2>& o) { for (int i = 0; i < N; ++i) c[i] = o.c[i]; }
     T& operator[](int i) { return c[i]; }
     const T& operator[](int i) const { return c[i]; }
-    T& x() { return c[0]; }
 };
 #define SHIM_VEC_OP(op)                                                                          \
     template <class T, int N, bool P> vec<T, N, false> operator op(vec<T, N, P> a, vec<T, N, P> b) { \
@@ -149,9 +156,15 @@ const Lane16* simd_exchange(const Lane16& mine, const char* site, const bool** a
 void tg_barrier(const char* site);
 void* tg_alloc(const char* key, size_t size, size_t align);
 unsigned char poison_byte();
+const ThreadIds& current_ids();  // the calling GPU thread's ids (CUDA's threadIdx & co.)
 
 }  // namespace shim
 
+#define SHIM_STR2(x) #x
+#define SHIM_STR(x) SHIM_STR2(x)
+#define SHIM_SITE __FILE__ ":" SHIM_STR(__LINE__)
+
+#ifndef SHIM_CUDA
 // ---------------------------------------------------------------------------------------------
 // Metal names
 
@@ -169,7 +182,7 @@ typedef half float16_t;
     typedef shim::vec<T, 3, true> packed_##name##3;                     \
     typedef shim::vec<T, 4, true> packed_##name##4;
 SHIM_VEC_NAMES(float, float) SHIM_VEC_NAMES(half, half) SHIM_VEC_NAMES(int, int)
-SHIM_VEC_NAMES(short, short) SHIM_VEC_NAMES(ushort, ushort)
+SHIM_VEC_NAMES(short, short) SHIM_VEC_NAMES(ushort, ushort) SHIM_VEC_NAMES(ulong, ulong) SHIM_VEC_NAMES(long, long)
 SHIM_VEC_NAMES(char, char) SHIM_VEC_NAMES(uchar, uchar)
 #undef SHIM_VEC_NAMES
 
@@ -193,6 +206,7 @@ static inline float clamp(float v, float lo, float hi) { return std::fmin(std::f
 static inline float abs(float v) { return std::fabs(v); }
 static inline float exp(float v) { return std::exp(v); }
 static inline float precise_divide(float a, float b) { return a / b; }
+namespace precise { static inline float exp(float v) { return std::exp(v); } }
 template <class T, int N, bool P> T dot(shim::vec<T, N, P> a, shim::vec<T, N, P> b) {
     T s = T(0); for (int i = 0; i < N; ++i) s += a.c[i] * b.c[i]; return s;
 }
@@ -204,9 +218,6 @@ inline mem_flags::Flags operator|(mem_flags::Flags a, mem_flags::Flags b) {
 
 #define threadgroup_barrier(flags) (::shim::tg_barrier(__FILE__ ":" SHIM_STR(__LINE__)))
 #define simdgroup_barrier(flags) ((void)::shim::simd_exchange({}, __FILE__ ":" SHIM_STR(__LINE__), nullptr, nullptr))
-#define SHIM_STR2(x) #x
-#define SHIM_STR(x) SHIM_STR2(x)
-
 template <class T> T simd_sum_at(T v, const char* site) {
     const bool* alive; uint lane;
     const shim::Lane16* all = shim::simd_exchange(shim::to16(v), site, &alive, &lane);
@@ -252,7 +263,6 @@ template <class T> T simd_prefix_exclusive_sum_at(T v, const char* site) {
 }  // namespace metal
 using namespace metal;
 
-#define SHIM_SITE __FILE__ ":" SHIM_STR(__LINE__)
 #define simd_sum(v) ::metal::simd_sum_at((v), SHIM_SITE)
 #define simd_max(v) ::metal::simd_max_at((v), SHIM_SITE)
 #define simd_min(v) ::metal::simd_min_at((v), SHIM_SITE)
@@ -268,3 +278,90 @@ using namespace metal;
     using shim_tg_type_##name = T extents;                                                   \
     shim_tg_type_##name& name = *static_cast<shim_tg_type_##name*>(                          \
         ::shim::tg_alloc(SHIM_SITE ":" #name, sizeof(shim_tg_type_##name), alignof(shim_tg_type_##name)))
+
+// ---------------------------------------------------------------------------------------------
+// simdgroup matrices (8x8, <metal_simdgroup_matrix>). On the GPU the 64 elements are spread over the 32
+// lanes, two each, and load / store / multiply are collective. Here every lane keeps the whole matrix:
+// a load is a rendezvous where each lane reads its own two elements through the checked pointers (so
+// alignment, poison and ASan see the real per-lane accesses) and all lanes receive all 64; a store writes
+// only the lane's own two elements; multiply_accumulate computes D = A B + C in plain fp32 (each product
+// and each sum rounded, k in order, no fused multiply-add: the build uses -ffp-contract=off), identically
+// on every lane. Lanes that reach a matrix op at different sites, or with lanes of the simdgroup gone,
+// fail like any diverged SIMD op.
+namespace metal {
+template <class T, int C, int R> struct simdgroup_matrix { T m[R][C]; };
+typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
+typedef simdgroup_matrix<half, 8, 8> simdgroup_half8x8;
+
+template <class T, int C, int R> simdgroup_matrix<T, C, R> make_filled_simdgroup_matrix(T v) {
+    simdgroup_matrix<T, C, R> a;
+    for (int i = 0; i < R; ++i)
+        for (int j = 0; j < C; ++j) a.m[i][j] = v;
+    return a;
+}
+
+inline const shim::Lane16* simdgroup_matrix_rendezvous(const shim::Lane16& mine, const char* site, uint* lane) {
+    const bool* alive;
+    const shim::Lane16* all = shim::simd_exchange(mine, site, &alive, lane);
+    for (int i = 0; i < shim::SIMD; ++i)
+        if (!alive[i]) shim::fail("simdgroup matrix op at %s with lane %d of the simdgroup inactive", site, i);
+    return all;
+}
+
+// element e (row e / C, column e % C) of the matrix belongs to lane e / 2
+template <int S, class T, int C, int R>
+void simdgroup_load_at(const char* site, simdgroup_matrix<T, C, R>& d, const shim::asp<S, T>* src, ulong stride = C,
+                       ulong2 origin = ulong2(0, 0), bool transpose = false) {
+    static_assert(R * C == 2 * shim::SIMD, "8x8 matrices only");
+    const uint me = shim::current_ids().thread_index_in_simdgroup;
+    T mine[2];
+    for (int k = 0; k < 2; ++k) {
+        const uint e = 2 * me + uint(k), i = e / C, j = e % C;
+        // element (i, j) of the loaded matrix: row i, column j of the source (or its transpose)
+        const ulong r = transpose ? j : i, c = transpose ? i : j;
+        mine[k] = src[(origin.y + r) * stride + origin.x + c];
+    }
+    uint lane;
+    const shim::Lane16* all = simdgroup_matrix_rendezvous(shim::to16(mine), site, &lane);
+    for (int l = 0; l < shim::SIMD; ++l) {
+        const auto two = shim::from16<std::array<T, 2>>(all[l]);
+        for (int k = 0; k < 2; ++k) d.m[(2 * l + k) / C][(2 * l + k) % C] = two[k];
+    }
+}
+
+template <int S, class T, int C, int R>
+void simdgroup_store_at(const char* site, const simdgroup_matrix<T, C, R>& a, shim::asp<S, T>* dst, ulong stride = C,
+                        ulong2 origin = ulong2(0, 0), bool transpose = false) {
+    static_assert(S != shim::CONSTANT, "simdgroup_store to `constant` memory");
+    uint lane;
+    simdgroup_matrix_rendezvous(shim::Lane16{}, site, &lane);
+    for (int k = 0; k < 2; ++k) {
+        const uint e = 2 * lane + uint(k), i = e / C, j = e % C;
+        const ulong r = transpose ? j : i, c = transpose ? i : j;
+        dst[(origin.y + r) * stride + origin.x + c] = a.m[i][j];
+    }
+}
+
+template <class T, int C, int R>
+void simdgroup_multiply_accumulate(simdgroup_matrix<T, C, R>& d, const simdgroup_matrix<T, C, R>& a,
+                                   const simdgroup_matrix<T, C, R>& b, const simdgroup_matrix<T, C, R>& c) {
+    static_assert(R == C, "square matrices only");
+    simdgroup_matrix<T, C, R> r;
+    for (int i = 0; i < R; ++i)
+        for (int j = 0; j < C; ++j) {
+            T s = c.m[i][j];
+            for (int k = 0; k < C; ++k) s = T(s + T(a.m[i][k] * b.m[k][j]));
+            r.m[i][j] = s;
+        }
+    d = r;
+}
+template <class T, int C, int R>
+void simdgroup_multiply(simdgroup_matrix<T, C, R>& d, const simdgroup_matrix<T, C, R>& a,
+                        const simdgroup_matrix<T, C, R>& b) {
+    simdgroup_multiply_accumulate(d, a, b, make_filled_simdgroup_matrix<T, C, R>(T(0)));
+}
+}  // namespace metal
+
+#define simdgroup_load(...) ::metal::simdgroup_load_at(SHIM_SITE, __VA_ARGS__)
+#define simdgroup_store(...) ::metal::simdgroup_store_at(SHIM_SITE, __VA_ARGS__)
+#endif  // SHIM_CUDA

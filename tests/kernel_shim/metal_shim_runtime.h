@@ -32,7 +32,8 @@ struct SimdGroup {
 };
 
 constexpr size_t STACK = 256 * 1024;
-constexpr size_t TG_LIMIT = 32 * 1024;  // Metal's threadgroup memory per group
+constexpr size_t TG_LIMIT = 32 * 1024;  // Metal's threadgroup memory per group (CUDA's static limit is 48 KB)
+constexpr size_t CANARY = SHIM_ASAN ? 0 : 64;
 
 struct Launch {
     std::string label;
@@ -42,6 +43,7 @@ struct Launch {
     unsigned char poison = 0xff;
     int workers = 1;
     unsigned yield_tg = 2, yield_dev = 8;  // switch with probability 1/N at such memory points
+    bool cuda = false;  // CUDA geometry: every block full size (see run_group)
 };
 
 struct Group {
@@ -104,6 +106,12 @@ void check_align(const void* p, size_t align, size_t size, int space, const char
 }
 
 unsigned char poison_byte() { return g_launch ? g_launch->poison : 0xff; }
+
+const ThreadIds& current_ids() {
+    Group* g = g_group;
+    if (!g || g->cur < 0) fail("thread ids read outside a kernel");
+    return g->fibers[g->cur].ids;
+}
 
 // ---------------------------------------------------------------------------------------------
 // fiber switching (with the annotations ASan needs to follow stacks)
@@ -251,9 +259,13 @@ static void run_group(Group& g, uint3v pos) {
     const Launch& L = *g.L;
     g.pos = pos;
     const uint3v T{L.tg.x, L.tg.y, L.tg.z};
-    // MLX dispatches exact grids (dispatchThreads): the last group along an axis is cut short
-    const uint3v A{std::min(T.x, L.grid.x - pos.x * T.x), std::min(T.y, L.grid.y - pos.y * T.y),
-                   std::min(T.z, L.grid.z - pos.z * T.z)};
+    // Metal: MLX dispatches exact grids (dispatchThreads), so the last group along an axis is cut short.
+    // CUDA: MLX launches ceil(grid / threadgroup) blocks of min(threadgroup, grid) threads
+    // (mlx/backend/cuda/custom_kernel.cpp, CustomKernel::eval_gpu), so every block is full and threads
+    // past the grid run too; the kernel must guard them.
+    const uint3v A = L.cuda ? T
+                            : uint3v{std::min(T.x, L.grid.x - pos.x * T.x), std::min(T.y, L.grid.y - pos.y * T.y),
+                                     std::min(T.z, L.grid.z - pos.z * T.z)};
     const int n = int(A.x * A.y * A.z);
     const uint3v groups{(L.grid.x + T.x - 1) / T.x, (L.grid.y + T.y - 1) / T.y, (L.grid.z + T.z - 1) / T.z};
     g.fibers.assign(size_t(n), Fiber{});
@@ -348,7 +360,7 @@ static std::vector<char> read_file(const std::string& path, size_t expect) {
 }
 
 // Job file: per launch
-//   launch LABEL THUNK GX GY GZ TX TY TZ SEED POISON WORKERS TIMEOUT YIELD_TG YIELD_DEV NBUFS
+//   launch LABEL THUNK GX GY GZ TX TY TZ SEED POISON WORKERS TIMEOUT YIELD_TG YIELD_DEV DIALECT NBUFS
 //   buf KIND OFFSET SIZE PATH        (NBUFS times; KIND in: read, out: poisoned, init: read; out/init written)
 static int run_jobs(const char* job_path) {
     std::ifstream job(job_path);
@@ -360,8 +372,11 @@ static int run_jobs(const char* job_path) {
         Launch L;
         unsigned poison, timeout;
         int nbufs;
+        std::string dialect;
         job >> L.label >> L.thunk >> L.grid.x >> L.grid.y >> L.grid.z >> L.tg.x >> L.tg.y >> L.tg.z >> L.seed
-            >> poison >> L.workers >> timeout >> L.yield_tg >> L.yield_dev >> nbufs;
+            >> poison >> L.workers >> timeout >> L.yield_tg >> L.yield_dev >> dialect >> nbufs;
+        if (dialect != "metal" && dialect != "cuda") fail("bad dialect '%s' in the job file", dialect.c_str());
+        L.cuda = dialect == "cuda";
         L.poison = (unsigned char)poison;
         g_launch = &L;
         struct B { std::string kind, path; size_t off, size; void* base; };
@@ -370,10 +385,14 @@ static int run_jobs(const char* job_path) {
         for (auto& b : bufs) {
             std::string tag;
             job >> tag >> b.kind >> b.off >> b.size >> b.path;
-            // exactly offset + size bytes, so ASan flags any read past the end; 256-aligned like MTLBuffers
-            if (posix_memalign(&b.base, 256, b.off + b.size + (b.off + b.size == 0))) fail("out of memory");
+            // exactly offset + size bytes under ASan, so it flags any access past the end; without ASan,
+            // CANARY poisoned bytes follow and are checked after the launch (a stray write past the end).
+            // 256-aligned like MTLBuffers.
+            if (posix_memalign(&b.base, 256, b.off + b.size + CANARY + (b.off + b.size + CANARY == 0)))
+                fail("out of memory");
             char* p = static_cast<char*>(b.base) + b.off;
             std::memset(b.base, L.poison, b.off);
+            std::memset(p + b.size, L.poison, CANARY);
             if (b.kind == "out") {
                 std::memset(p, L.poison, b.size);
             } else {
@@ -383,6 +402,7 @@ static int run_jobs(const char* job_path) {
             ptrs[&b - bufs.data()] = p;
         }
         alarm(timeout);
+        if (L.cuda) L.tg = uint3v{std::min(L.tg.x, L.grid.x), std::min(L.tg.y, L.grid.y), std::min(L.tg.z, L.grid.z)};
         const uint3v T = L.tg;
         const uint3v groups{(L.grid.x + T.x - 1) / T.x, (L.grid.y + T.y - 1) / T.y, (L.grid.z + T.z - 1) / T.z};
         const size_t n_groups = size_t(groups.x) * groups.y * groups.z;
@@ -405,6 +425,10 @@ static int run_jobs(const char* job_path) {
         for (auto& t : pool) t.join();
         alarm(0);
         for (auto& b : bufs) {
+            const unsigned char* end = static_cast<unsigned char*>(b.base) + b.off + b.size;
+            for (size_t i = 0; i < CANARY; ++i)
+                if (end[i] != L.poison) fail("write past the end of buffer %s (%zu bytes): canary byte %zu changed",
+                                             b.path.c_str(), b.size, i);
             if (b.kind != "in") {
                 std::ofstream out(b.path, std::ios::binary);
                 out.write(static_cast<char*>(b.base) + b.off, std::streamsize(b.size));

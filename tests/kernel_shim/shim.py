@@ -1,8 +1,9 @@
-"""Run ds4-mlx's Metal kernels on the host, strictly (test infrastructure; see metal_shim.h).
+"""Run ds4-mlx's GPU kernels on the host, strictly, in both dialects (test infrastructure; see
+metal_shim.h and cuda_shim.h).
 
-1. **Record**: ``record(fn)`` calls ``fn`` with ``mx.fast.metal_kernel`` replaced by a recorder, so every
-   launch the package's wrappers make (inputs, template arguments, grid, threadgroup, outputs) is captured
-   exactly as the wrapper computed it.
+1. **Record**: ``record(fn)`` calls ``fn`` with ``mx.fast.metal_kernel`` and ``mx.fast.cuda_kernel``
+   replaced by recorders, so every launch the package's wrappers make (dialect, inputs, template arguments,
+   grid, threadgroup, outputs) is captured exactly as the wrapper computed it.
 2. **Generate**: ``generated_source`` gets the exact text MLX's Metal backend would compile, from MLX itself:
    ``mx.fast.metal_kernel(..., verbose=True)`` prints it, and since MLX 0.32 it runs without a Metal
    back-end while ``mx.export_function`` traces (``mlx/backend/common/metal_kernel.cpp``:
@@ -10,16 +11,26 @@
    ``max_constant_array_size = 8`` elements ``const constant T*``, 0-d inputs references, appends the
    ``[[thread_position_in_grid]]``-style attributes the body mentions, and instantiates the template with
    ``[[host_name]]``). Nothing is re-derived here.
+   CUDA: MLX's CPU install cannot build a ``cuda_kernel`` at all ("No CUDA back-end"), so its text is
+   assembled here by the rules of ``build_kernel`` in ``mlx/backend/cuda/custom_kernel.cpp`` (MLX 846d176,
+   the 0.32 line): the default header (device utils + cooperative groups), the user header, then
+   ``namespace mlx::core::cu { namespace cg = cooperative_groups; __global__ void
+   custom_kernel_<name><template hash>(const T* in, [shape/strides/ndim if the body names them], T* out) {
+   constexpr int N = v; ... body }}``, types by ``dtype_to_cuda_type`` (``mlx/backend/cuda/utils.cpp``).
+   Every input is ``const T*`` whatever its size (no ``constant`` space), and the launch is
+   ceil(grid / threadgroup) blocks of min(threadgroup, grid) threads (``CustomKernel::eval_gpu``).
 3. **Compile**: the generated text is rewritten only where C++ needs it (address-space keywords become the
-   ``shim::asp<space, T>`` types, attributes dropped, ``threadgroup`` arrays become group-shared storage),
+   ``shim::asp<space, T>`` types, attributes dropped, ``threadgroup`` / ``__shared__`` arrays become
+   group-shared poisoned storage; object-like macros that stand for an address space, like the kernels'
+   ``DS4_TG``, are expanded first),
    all instantiations of one header go in one translation unit, built with g++ (ASan + UBSan, warnings on),
-   cached by content hash in the temp directory.
+   cached by content hash in the temp directory (so each variant compiles once per machine, not per test).
 4. **Run**: one process runs all launches of a batch (job file); each threadgroup's threads are fibers in a
    seeded random order, threadgroups spread over host threads. Outputs come back as numpy arrays, and
    ``replay(fn, outputs)`` re-runs ``fn`` with the kernels returning them, so wrapper post-processing
    (reordering, etc.) is exercised as on a GPU.
 
-The dialect is a parameter (``DIALECTS``); only ``metal`` exists so far.
+The dialect is a parameter (``DIALECTS``): one harness, one runtime; only the name layer differs.
 """
 
 from __future__ import annotations
@@ -38,7 +49,7 @@ import mlx.core as mx
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-DIALECTS = ("metal",)
+DIALECTS = ("metal", "cuda")
 
 # MLX's get_type_string names -> numpy dtypes (what the recorder sees)
 _MX_TO_NP = {
@@ -58,7 +69,7 @@ def gxx() -> str | None:
 
 @dataclass(frozen=True)
 class KernelDef:
-    """The arguments of one ``mx.fast.metal_kernel(...)`` construction."""
+    """The arguments of one ``mx.fast.metal_kernel(...)`` (or ``cuda_kernel``) construction."""
 
     name: str
     input_names: tuple[str, ...]
@@ -67,6 +78,8 @@ class KernelDef:
     header: str = ""
     ensure_row_contiguous: bool = True
     atomic_outputs: bool = False
+    dialect: str = "metal"
+    shared_memory: int = 0
 
     def patched(self, old: str, new: str, where: str = "source", count: int = 1) -> "KernelDef":
         """A copy with ``old`` replaced by ``new`` in the body or header (planted faults); ``old`` must occur."""
@@ -90,6 +103,10 @@ class Launch:
     init_value: float | None = None
     label: str = ""
 
+    @property
+    def dialect(self) -> str:
+        return self.kernel.dialect
+
 
 class _Recorder:
     def __init__(self, defn: KernelDef, sink):
@@ -104,7 +121,8 @@ class _Recorder:
 
 @contextmanager
 def _kernels_replaced(sink):
-    """``mx.fast.metal_kernel`` builds recorders; cached kernel objects in ds4_mlx are dropped around it."""
+    """``mx.fast.metal_kernel`` / ``cuda_kernel`` build recorders; cached kernel objects in ds4_mlx are dropped
+    around it."""
     import ds4_mlx.model.metal_kernels as mk
 
     def clear():
@@ -112,19 +130,23 @@ def _kernels_replaced(sink):
             if callable(getattr(v, "cache_clear", None)) and getattr(v, "__module__", "") == mk.__name__:
                 v.cache_clear()
 
-    real = mx.fast.metal_kernel
+    real_metal, real_cuda = mx.fast.metal_kernel, mx.fast.cuda_kernel
 
-    def fake(name, input_names, output_names, source, header="", ensure_row_contiguous=True,
-             atomic_outputs=False, compile_options=None):
+    def fake_metal(name, input_names, output_names, source, header="", ensure_row_contiguous=True,
+                   atomic_outputs=False, compile_options=None):
         return _Recorder(KernelDef(name, tuple(input_names), tuple(output_names), source, header,
                                    ensure_row_contiguous, atomic_outputs), sink)
 
+    def fake_cuda(name, input_names, output_names, source, header="", ensure_row_contiguous=True, shared_memory=0):
+        return _Recorder(KernelDef(name, tuple(input_names), tuple(output_names), source, header,
+                                   ensure_row_contiguous, False, "cuda", shared_memory), sink)
+
     clear()
-    mx.fast.metal_kernel = fake
+    mx.fast.metal_kernel, mx.fast.cuda_kernel = fake_metal, fake_cuda
     try:
         yield
     finally:
-        mx.fast.metal_kernel = real
+        mx.fast.metal_kernel, mx.fast.cuda_kernel = real_metal, real_cuda
         clear()
 
 
@@ -182,9 +204,13 @@ def _source_key(launch: Launch) -> tuple:
 
 
 def generated_source(launch: Launch) -> str:
-    """Exactly what MLX hands to the Metal compiler for this launch (minus MLX's own utils header)."""
+    """Exactly what MLX hands to the Metal compiler for this launch (minus MLX's own utils header), or to
+    NVRTC for a CUDA launch."""
     key = _source_key(launch)
     if key in _source_cache:
+        return _source_cache[key]
+    if launch.dialect == "cuda":
+        _source_cache[key] = _cuda_source(launch)
         return _source_cache[key]
     k = launch.kernel
     real = mx.fast.metal_kernel(name=k.name, input_names=list(k.input_names), output_names=list(k.output_names),
@@ -208,6 +234,58 @@ def generated_source(launch: Launch) -> str:
     return m.group(1)
 
 
+# mlx/backend/cuda/custom_kernel.cpp, default_header and build_kernel (MLX 846d176)
+CUDA_DEFAULT_HEADER = """
+#include "mlx/backend/cuda/device/utils.cuh"
+
+#include <cooperative_groups.h>
+
+"""
+# mlx/backend/cuda/utils.cpp, dtype_to_cuda_type
+_CUDA_TYPES = {
+    np.dtype(np.bool_): "bool", np.dtype(np.int8): "int8_t", np.dtype(np.int16): "int16_t",
+    np.dtype(np.int32): "int32_t", np.dtype(np.int64): "int64_t", np.dtype(np.uint8): "uint8_t",
+    np.dtype(np.uint16): "uint16_t", np.dtype(np.uint32): "uint32_t", np.dtype(np.uint64): "uint64_t",
+    np.dtype(np.float16): "__half", np.dtype(np.float32): "float", np.dtype(np.float64): "double",
+}
+
+
+def _cuda_template_hash(template) -> str:
+    out = ""
+    for _, v in template:
+        if isinstance(v, bool):
+            out += "_t" if v else "_f"
+        elif isinstance(v, int):
+            out += f"_{v}"
+        else:
+            raise NotImplementedError(f"dtype template arguments are not modelled for CUDA: {v!r}")
+    return out
+
+
+def _cuda_source(launch: Launch) -> str:
+    k = launch.kernel
+    for name in k.input_names:
+        if any(f"{name}_{s}" in k.source for s in ("shape", "strides", "ndim")):
+            raise NotImplementedError(f"{k.name}: shape/strides/ndim parameters are not modelled for CUDA")
+    params = [f"    const {_CUDA_TYPES[a.dtype]}* {n},\n" for n, a in zip(k.input_names, launch.inputs)]
+    outs = [f"    {_CUDA_TYPES[np.dtype(_MX_TO_NP[d])]}* {n}" for n, d in zip(k.output_names, launch.output_dtypes)]
+    consts = ""
+    for n, v in launch.template:
+        consts += f"  constexpr bool {n} = {'true' if v else 'false'};\n" if isinstance(v, bool) \
+            else f"  constexpr int {n} = {v};\n"
+    if consts:
+        consts += "\n"
+    func = f"custom_kernel_{k.name}{_cuda_template_hash(launch.template)}"
+    return (CUDA_DEFAULT_HEADER + k.header + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+            + f"__global__ void {func}(\n" + "".join(params) + ",\n".join(outs) + ") {\n" + consts + k.source
+            + "\n}\n\n} // namespace mlx::core::cu\n")
+
+
+def header_of(launch: Launch) -> str:
+    """The part of the generated source before the kernel (shared by a header's instantiations)."""
+    return CUDA_DEFAULT_HEADER + launch.kernel.header if launch.dialect == "cuda" else launch.kernel.header
+
+
 # --------------------------------------------------------------------------------------------------
 # 3. C++ translation unit
 
@@ -220,9 +298,41 @@ def _strip_comments(text: str) -> str:
     return re.sub(r"//[^\n]*", "", text)
 
 
-def to_cpp(text: str, unit: str) -> str:
-    """Metal text -> C++ for metal_shim.h: same lines, address spaces as types."""
+_ASP_WORDS = r"device|constant|threadgroup|thread|__shared__|__device__(?:[ \t]+const)?"
+_ASP_MACRO = re.compile(rf"^[ \t]*#[ \t]*define[ \t]+([A-Za-z_]\w*)(?:[ \t]+({_ASP_WORDS}))?[ \t]*$", re.M)
+
+
+def _expand_space_macros(text: str, macros: dict[str, str]) -> str:
+    """Object-like macros whose whole value is an address-space word (or nothing), like the kernels'
+    ``#define DS4_TG threadgroup``, expanded in place (their #define lines blanked), so the rewrite below
+    sees the keyword where it is used. Other macros are left to the compiler."""
+    def collect(m):
+        macros[m.group(1)] = m.group(2) or ""
+        return ""
+
+    text = _ASP_MACRO.sub(collect, text)
+    for name, value in macros.items():
+        text = re.sub(rf"\b{name}\b", value, text)
+    return text
+
+
+def to_cpp(text: str, unit: str, dialect: str = "metal", macros: dict[str, str] | None = None) -> str:
+    """Kernel text -> C++ for metal_shim.h / cuda_shim.h: same lines; Metal address spaces as types, CUDA
+    ``__shared__`` arrays as group-shared storage. ``macros`` carries address-space macros from a header
+    to the kernels that follow it."""
     text = _strip_comments(text)
+    text = _expand_space_macros(text, {} if macros is None else macros)
+    if dialect == "cuda":
+        def shared_decl(m):
+            typ, name, ext = m.group(1), m.group(2), m.group(3)
+            alias = f"shim_tg_type_{name}"
+            return (f"using {alias} = {typ}{ext}; {alias}& {name} = *static_cast<{alias}*>("
+                    f"::shim::tg_alloc(\"{unit}:{name}@\" SHIM_STR(__LINE__), sizeof({alias}), alignof({alias})));")
+
+        text = re.sub(rf"\b__shared__\s+({_TYPE})\s+(\w+)\s*((?:\[[^\]]+\])+)\s*;", shared_decl, text)
+        if re.search(r"\b__shared__\b", text):
+            raise NotImplementedError(f"{unit}: a __shared__ declaration the shim does not model (scalars, extern)")
+        return re.sub(r"\b__device__\s+const\b", "static const", text)
     text = re.sub(r"\[\[[^\[\]]*\]\]", "", text)
 
     def tg_decl(m):
@@ -247,7 +357,19 @@ class Signature:
     attributes: list[str]
 
 
-def parse_signature(body_text: str) -> Signature:
+def parse_signature(body_text: str, dialect: str = "metal") -> Signature:
+    if dialect == "cuda":
+        m = re.search(r"__global__ void (\w+)\(\n(.*?)\) \{\n", body_text, re.S)
+        if not m:
+            raise RuntimeError("no __global__ signature in the generated CUDA source")
+        buffers = []
+        for line in m.group(2).split("\n"):
+            line = line.strip().rstrip(",")
+            pm = re.fullmatch(r"((?:const )?[\w:]+\*) (\w+)", line)
+            if not pm:
+                raise RuntimeError(f"unexpected parameter in the generated CUDA signature: {line!r}")
+            buffers.append((pm.group(2), pm.group(1), False))
+        return Signature(m.group(1), f"::mlx::core::cu::{m.group(1)}", buffers, [])
     m = re.search(r"\[\[kernel\]\] void (\w+)\(\n(.*?)\) \{\n", body_text, re.S)
     if not m:
         raise RuntimeError("no [[kernel]] signature in the generated source")
@@ -287,6 +409,9 @@ FLAGS = {
     # shim checks only (address spaces, alignment, barriers, SIMD rendezvous, poison): quickest to build
     "check": ["-O0"],
 }
+# CUDA pointers are generic, so alignment is not in the types: UBSan's alignment check (cheap) stays on
+# in every CUDA build, stopping at the first misaligned typed access
+CUDA_FLAGS = ["-fsanitize=alignment", "-fno-sanitize-recover=all", f"-I{HERE / 'cuda_include'}"]
 WARNINGS = ["-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-unused-variable", "-Wno-unused-function",
             "-Werror=uninitialized", "-Werror=maybe-uninitialized", "-Werror=return-type", "-Werror=array-bounds"]
 
@@ -308,32 +433,38 @@ def _cache_dir() -> Path:
     return d
 
 
-def build(sources: list[tuple[str, str]], variant: str = "asan") -> Program:
-    """One executable for generated sources [(header, full generated text)] sharing headers."""
+def build(sources: list[tuple[str, str]], variant: str = "asan", dialect: str = "metal") -> Program:
+    """One executable for generated sources [(header, full generated text)] sharing headers, one dialect."""
+    if dialect not in DIALECTS:
+        raise ValueError(f"unknown dialect {dialect!r}")
     headers: list[str] = []
     units: list[str] = []
     thunks: dict[str, int] = {}
-    parts = ['#include "metal_shim.h"\n']
+    macros: dict[str, dict[str, str]] = {}
+    parts = [f'#include "{"cuda_shim.h" if dialect == "cuda" else "metal_shim.h"}"\n']
     for header, text in sources:
         if text in thunks:
             continue
         if not text.startswith(header):
             raise RuntimeError("generated source does not start with its header")
+        ext = "cu" if dialect == "cuda" else "metal"
         if header not in headers:
             headers.append(header)
-            parts.append(f'#line 1 "header{len(headers) - 1}.metal"\n{to_cpp(header, "h")}\n')
+            macros[header] = {}
+            parts.append(f'#line 1 "header{len(headers) - 1}.{ext}"\n{to_cpp(header, "h", dialect, macros[header])}\n')
         rest = text[len(header):]
-        sig = parse_signature(rest)
+        sig = parse_signature(rest, dialect)
         idx = len(units)
-        parts.append(f'#line 1 "{sig.func}.metal"\n{to_cpp(rest, sig.func)}\n')
+        parts.append(f'#line 1 "{sig.func}.{ext}"\n{to_cpp(rest, sig.func, dialect, dict(macros[header]))}\n')
         units.append(_thunk(idx, sig))
         thunks[text] = idx
     parts.append('#line 1 "shim_thunks.cpp"\n' + "".join(units))
     parts.append("namespace shim { Thunk shim_thunks[] = {" + ", ".join(f"shim_thunk_{i}" for i in range(len(units)))
                  + "}; }\n#include \"metal_shim_runtime.h\"\n")
     tu = "".join(parts)
-    flags = ["-std=c++20", "-pthread", *FLAGS[variant], *WARNINGS, f"-I{HERE}"]
-    deps = "".join((HERE / f).read_text() for f in ("metal_shim.h", "metal_shim_runtime.h"))
+    flags = ["-std=c++20", "-pthread", "-ffp-contract=off", *FLAGS[variant], *WARNINGS, f"-I{HERE}"]
+    flags += CUDA_FLAGS if dialect == "cuda" else [f"-I{HERE / 'metal_include'}"]
+    deps = "".join(f.read_text() for f in sorted(HERE.rglob("*")) if f.is_file() and f.suffix in ("", ".h", ".cuh"))
     digest = hashlib.sha256((tu + "\0".join(flags) + deps).encode()).hexdigest()[:24]
     cache = _cache_dir()
     exe = cache / f"k_{digest}"
@@ -405,9 +536,13 @@ def run(launches: list[Launch], opts: Options | None = None) -> Result:
     opts = opts or Options()
     if gxx() is None:
         raise RuntimeError("g++ not found")
+    dialects = {ln.dialect for ln in launches}
+    if len(dialects) > 1:
+        raise ValueError(f"one dialect per run, got {sorted(dialects)}")
+    dialect = dialects.pop() if dialects else "metal"
     texts = [generated_source(ln) for ln in launches]
     try:
-        prog = build([(ln.kernel.header, t) for ln, t in zip(launches, texts)], opts.variant)
+        prog = build([(header_of(ln), t) for ln, t in zip(launches, texts)], opts.variant, dialect)
     except CompileError as e:
         return Result([None] * len(launches), str(e))
     with tempfile.TemporaryDirectory(prefix="ds4_shim_run_") as tmp:
@@ -420,7 +555,7 @@ def run(launches: list[Launch], opts: Options | None = None) -> Result:
             bufs = _buffers(ln)
             job.append(f"launch {label} {prog.thunks[text]} {' '.join(map(str, ln.grid))} "
                        f"{' '.join(map(str, ln.threadgroup))} {opts.seed + i} {opts.poison} {opts.workers} "
-                       f"{opts.timeout} {opts.yield_tg} {opts.yield_dev} {len(bufs)}")
+                       f"{opts.timeout} {opts.yield_tg} {opts.yield_dev} {dialect} {len(bufs)}")
             mine = []
             for j, (name, arr, nbytes, out) in enumerate(bufs):
                 path = tmp / f"l{i}_b{j}.bin"
