@@ -59,8 +59,9 @@ def _rel(a: np.ndarray, ref: np.ndarray) -> float:
 def _run_layer(model, d: dict[str, np.ndarray], il: int) -> tuple[np.ndarray, np.ndarray]:
     block = model.blocks[il]
     state = ModelState.empty(model.config).layers[il]
-    after, _ = block.attention_part(mx.array(d[f"layer_in_{il}"]), 0, state, model.numerics)
-    out = block.ffn_part(after, d["prompt_tokens"].astype(np.int64), model.numerics)
+    with model.ops.stream():
+        after, _ = block.attention_part(mx.array(d[f"layer_in_{il}"]), 0, state)
+        out = block.ffn_part(after, d["prompt_tokens"].astype(np.int64))
     return np.array(after), np.array(out)
 
 

@@ -160,7 +160,7 @@ def expected_arrays(cfg: ModelConfig, n_tokens: int) -> list[ArraySpec]:
         if r == 4:
             lanes.append((2, cfg.indexer_head_dim))
         for lane, dim in lanes:
-            coff = 2 if r == 4 else 1
+            coff = cfg.coff(il)
             out.append(ArraySpec(il, lane, 0, (n_tokens // r, dim)))
             out.append(ArraySpec(il, lane, 1, (coff * r, coff * dim)))
             out.append(ArraySpec(il, lane, 2, (coff * r, coff * dim)))

@@ -33,8 +33,8 @@ class CompressorState:
     gst: mx.array  # [coff·ratio, coff·dim]
 
     @classmethod
-    def empty(cls, ratio: int, dim: int) -> "CompressorState":
-        coff = 2 if ratio == 4 else 1
+    def empty(cls, ratio: int, dim: int, coff: int) -> "CompressorState":
+        """No rows, the canonical empty frontier; ``coff`` = ``ModelConfig.coff`` of the layer."""
         shape = (coff * ratio, coff * dim)
         return cls(mx.zeros((0, dim), dtype=mx.float32), mx.zeros(shape, dtype=mx.float32),
                    mx.full(shape, EMPTY_SCORE, dtype=mx.float32))
@@ -65,8 +65,8 @@ class ModelState:
             r = cfg.compress_ratio(il)
             layers.append(LayerState(
                 raw=mx.zeros((0, cfg.head_dim), dtype=mx.float32),
-                attn=CompressorState.empty(r, cfg.head_dim) if r else None,
-                index=CompressorState.empty(r, cfg.indexer_head_dim) if r == 4 else None,
+                attn=CompressorState.empty(r, cfg.head_dim, cfg.coff(il)) if r else None,
+                index=CompressorState.empty(r, cfg.indexer_head_dim, cfg.coff(il)) if r == 4 else None,
             ))
         return cls(0, layers)
 
@@ -120,7 +120,7 @@ class ModelState:
             for lane, dim, on in (("attn", cfg.head_dim, r > 0), ("index", cfg.indexer_head_dim, r == 4)):
                 if not on:
                     continue
-                coff = 2 if r == 4 else 1
+                coff = cfg.coff(il)
                 fshape = (coff * r, coff * dim)
                 lanes[lane] = CompressorState(get(f"layer.{il}.{lane}.rows", (n // r, dim)),
                                               get(f"layer.{il}.{lane}.kst", fshape),
