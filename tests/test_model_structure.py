@@ -82,3 +82,15 @@ def test_coff_is_derived_in_one_place():
     for p in sorted((ROOT / "model").glob("*.py")) + [ROOT / "engine" / "payload.py"]:
         text = p.read_text()
         assert "== 4 else 1" not in text, f"{p.name} re-derives coff; use ModelConfig.coff(il)"
+
+
+def test_state_layout_is_described_once():
+    """The payload walks the model's ``state_layout`` instead of restating the shapes per lane."""
+    from ds4_mlx.engine import payload
+    from ds4_mlx.model import state
+
+    fn = next(n for n in ast.walk(_tree("engine/payload.py"))
+              if isinstance(n, ast.FunctionDef) and n.name == "expected_arrays")
+    used = {n.attr for n in ast.walk(fn) if isinstance(n, ast.Attribute)}
+    assert not used & {"compress_ratio", "head_dim", "indexer_head_dim", "n_swa"}, used
+    assert payload.ArraySpec is state.StateArray
