@@ -22,7 +22,8 @@ import numpy as np
 from ds4_mlx.formats.ggml_types import BLOCK_GEOMETRY, GGMLType
 from ds4_mlx.formats.quants import quantize_q8_0
 from ds4_mlx.model.experts import ExpertCache
-from ds4_mlx.model.linear import Backend, DenseWeight, ExpertWeights, Numerics
+from ds4_mlx.model.experts import ExpertWeights
+from ds4_mlx.model.linear import Backend, DenseWeight, Numerics
 
 N_LAYER_REAL = 43
 

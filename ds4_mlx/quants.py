@@ -9,11 +9,14 @@ See ``ds4_mlx/formats/quants.py`` for the bit-exactness contract and ds4.c's ari
 
 from __future__ import annotations
 
+from typing import Any
+
+import mlx.core as mx
+
+from ds4_mlx.formats import quants as _np_quants
 from ds4_mlx.formats.quants import (
     QK8_0,
     QK_K,
-    dequantize,
-    dequantize_rows,
     quantize_q8_0,
     quantize_q8_0_activation,
     quantize_q8_k_activation,
@@ -32,6 +35,25 @@ from ds4_mlx.formats.quants_mlx import (
     quantize_q8_0_activation_mlx,
     quantize_q8_k_activation_mlx,
 )
+
+
+
+def dequantize(data: Any, qtype, n_elements: int) -> Any:
+    """``formats.quants.dequantize`` (numpy) or, for an MLX array, its MLX twin ``dequantize_mlx``.
+
+    The dispatch lives here, above both modules, so that the numpy module never imports the MLX one
+    (which imports it)."""
+    if isinstance(data, mx.array):
+        return dequantize_mlx(data, qtype, n_elements)
+    return _np_quants.dequantize(data, qtype, n_elements)
+
+
+def dequantize_rows(raw: Any, qtype) -> Any:
+    """``formats.quants.dequantize_rows`` (numpy) or, for an MLX array, ``dequantize_rows_mlx``."""
+    if isinstance(raw, mx.array):
+        return dequantize_rows_mlx(raw, qtype)
+    return _np_quants.dequantize_rows(raw, qtype)
+
 
 __all__ = [
     "QK8_0",

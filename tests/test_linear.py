@@ -22,7 +22,8 @@ from ds4_mlx.formats.iq2xxs_tables import IQ2XXS_GRID, KSIGNS_IQ2XS
 from ds4_mlx.model import experts as experts_mod
 from ds4_mlx.model import linear as linear_mod
 from ds4_mlx.model.experts import ExpertCache
-from ds4_mlx.model.linear import Backend, DenseWeight, ExpertWeights, Numerics, default_backend, \
+from ds4_mlx.model.experts import ExpertWeights
+from ds4_mlx.model.linear import Backend, DenseWeight, Numerics, default_backend, \
     q8_0_to_affine, resolve_backend
 
 F32 = np.float32
@@ -357,7 +358,7 @@ def test_mlx_cumsum_is_a_sequential_scan():
 @pytest.mark.parametrize("chunk", [None, 1000])
 def test_ds4_q8_0_bit_exact(monkeypatch, chunk):
     if chunk is not None:  # force several token chunks
-        monkeypatch.setattr(linear_mod, "_DS4_CHUNK_ELEMENTS", chunk)
+        monkeypatch.setattr(linear_mod, "DS4_CHUNK_ELEMENTS", chunk)
     rng = np.random.default_rng(8)
     out_dim, n_in, T = 12, 160, 4
     raw = quants.quantize_q8_0(rng.standard_normal((out_dim, n_in)).astype(np.float32) * 0.05)
@@ -462,7 +463,7 @@ def test_expert_cache_reads_each_expert_once():
 @pytest.mark.parametrize("qtype", [GGMLType.IQ2_XXS, GGMLType.Q2_K, GGMLType.Q4_K])
 @pytest.mark.parametrize("kx", [1, 3])
 def test_experts_ds4_bit_exact(monkeypatch, qtype, kx):
-    monkeypatch.setattr(experts_mod, "_DS4_CHUNK_ELEMENTS", 4096)  # several row chunks per expert
+    monkeypatch.setattr(experts_mod, "DS4_CHUNK_ELEMENTS", 4096)  # several row chunks per expert
     rng = np.random.default_rng(int(qtype) * 7 + kx)
     n_expert, out_dim, n_in, T, k = 6, 5, 512, 3, 3
     raw = random_blocks(rng, qtype, (n_expert, out_dim), n_in)

@@ -3,6 +3,8 @@ canonical frontier state it must leave behind; plus ModelState serialisation."""
 
 from __future__ import annotations
 
+import copy
+
 import ds4_mlx  # noqa: F401  (BLAS binding before mlx)
 import mlx.core as mx
 import numpy as np
@@ -11,7 +13,8 @@ import pytest
 from ds4_mlx.formats.config import ModelConfig
 from ds4_mlx.formats.ggml_types import GGMLType
 from ds4_mlx.model.compressor import Compressor
-from ds4_mlx.model.linear import DenseWeight, Numerics
+from ds4_mlx.model.linear import DenseWeight
+from ds4_mlx.model.ops import DEFAULT_OPS, Numerics, ops_for
 from ds4_mlx.model.numerics import EMPTY_SCORE, f16_round, fp8_kv_round, indexer_qat
 from ds4_mlx.model.rope import Rope, apply_rope
 from ds4_mlx.model.state import CompressorState, InferenceError, ModelState
@@ -36,7 +39,8 @@ def _make(ratio: int, dim: int, seed: int) -> Compressor:
     ape = mx.array(rng.standard_normal((ratio, coff * dim)).astype(np.float32))
     norm = mx.array(rng.uniform(0.5, 1.5, dim).astype(np.float32))
     n_nope = cfg.n_nope if dim == cfg.head_dim else None
-    return Compressor(w(), w(), ape, norm, ratio, dim, Rope(cfg, 2 if ratio == 4 else 3), n_nope, cfg.rms_eps)
+    return Compressor(w(), w(), ape, norm, ratio, dim, Rope(cfg, 2 if ratio == 4 else 3), n_nope, cfg.rms_eps,
+                      coff, DEFAULT_OPS)
 
 
 def _reference_stream(comp: Compressor, xs: np.ndarray) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
@@ -49,8 +53,8 @@ def _reference_stream(comp: Compressor, xs: np.ndarray) -> tuple[list[np.ndarray
     coff = 2 if R == 4 else 1
     kst = np.zeros((coff * R, coff * D))
     gst = np.full((coff * R, coff * D), EMPTY_SCORE)
-    k_all = np.array(comp.kv(mx.array(xs), Numerics.DEFAULT), dtype=np.float64)
-    g_all = np.array(comp.gate(mx.array(xs), Numerics.DEFAULT), dtype=np.float64)
+    k_all = np.array(comp.kv(mx.array(xs)), dtype=np.float64)
+    g_all = np.array(comp.gate(mx.array(xs)), dtype=np.float64)
     ape = np.array(comp.ape, dtype=np.float64)
     rows = []
     for p in range(xs.shape[0]):
@@ -85,11 +89,13 @@ def _canonical(kst: np.ndarray, gst: np.ndarray, n: int, R: int) -> tuple[np.nda
 
 
 def _run_chunks(comp: Compressor, xs: np.ndarray, cuts: list[int], mode: Numerics) -> CompressorState:
-    st = CompressorState.empty(comp.ratio, comp.dim)
+    st = CompressorState.empty(comp.ratio, comp.dim, comp.coff)
+    comp = copy.copy(comp)
+    comp.ops = ops_for(mode)  # the same weights in the other numerics
     p = 0
     for c in cuts + [xs.shape[0]]:
         if c > p:
-            _, st = comp(mx.array(xs[p:c]), p, st, mode)
+            _, st = comp(mx.array(xs[p:c]), p, st)
             p = c
     return st
 
@@ -138,7 +144,7 @@ def test_ratio4_first_window_has_no_previous_half():
     w2 = w.copy()
     w2[:256] *= -1.5  # first-half columns (previous-window lane)
     comp2 = Compressor(DenseWeight("w", GGMLType.F32, w2, N_EMBD), comp.gate, comp.ape, comp.norm, 4, 256,
-                       comp.rope, comp.n_nope, comp.eps)
+                       comp.rope, comp.n_nope, comp.eps, comp.coff, DEFAULT_OPS)
     st2 = _run_chunks(comp2, xs, [], Numerics.DEFAULT)
     np.testing.assert_array_equal(np.array(st.rows)[0], np.array(st2.rows)[0])
     assert not np.array_equal(np.array(st.rows)[1], np.array(st2.rows)[1])
@@ -149,7 +155,7 @@ def test_model_state_numpy_roundtrip_and_checks():
     st = ModelState.empty(cfg)
     comp = _make(4, 256, seed=11)
     xs = np.random.default_rng(4).standard_normal((10, N_EMBD)).astype(np.float32)
-    _, cs = comp(mx.array(xs), 0, st.layers[2].attn, Numerics.DEFAULT)
+    _, cs = comp(mx.array(xs), 0, st.layers[2].attn)
     st.layers[2].attn = cs
     st.layers[0].raw = mx.array(np.ones((8, 256), np.float32))
     st.n_tokens = 10

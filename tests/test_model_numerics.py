@@ -14,7 +14,8 @@ import pytest
 from ds4_mlx.formats.config import ModelConfig
 from ds4_mlx.model import numerics as nm
 from ds4_mlx.model.hyper_connection import HyperConnection
-from ds4_mlx.model.linear import DenseWeight, Numerics
+from ds4_mlx.model.linear import DenseWeight
+from ds4_mlx.model.ops import Numerics, ops_for
 from ds4_mlx.formats.ggml_types import GGMLType
 from ds4_mlx.model.rope import Rope, apply_rope
 
@@ -113,7 +114,7 @@ def test_f16_round_is_ieee_half():
 def test_rms_norm(mode):
     x = (RNG.standard_normal((7, 300)) * 3).astype(np.float32)
     w = RNG.standard_normal(300).astype(np.float32)
-    got = np.array(nm.rms_norm(mx.array(x), mx.array(w), 1e-6, mode))
+    got = np.array(ops_for(mode).rms_norm(mx.array(x), mx.array(w), 1e-6))
     x64 = x.astype(np.float64)
     ref = x64 / np.sqrt(np.mean(x64 ** 2, axis=-1, keepdims=True) + 1e-6) * w
     np.testing.assert_allclose(got, ref, rtol=2e-6, atol=1e-6)
@@ -158,9 +159,9 @@ def test_softplus_and_sigmoid():
     for mode in Numerics:
         # DS4_CPU rounds exp/log1p once from float64 (libm-like); MLX's own float32 exp is ~1e-6 off.
         rtol = 5e-7 if mode is Numerics.DS4_CPU else 3e-6
-        sp = np.array(nm.softplus(mx.array(x), mode))
+        sp = np.array(ops_for(mode).softplus(mx.array(x)))
         np.testing.assert_allclose(sp, np.logaddexp(0, x.astype(np.float64)), rtol=rtol, atol=1e-30)
-        sg = np.array(nm.sigmoid_stable(mx.array(x), mode))
+        sg = np.array(ops_for(mode).sigmoid_stable(mx.array(x)))
         np.testing.assert_allclose(sg, 1 / (1 + np.exp(-x.astype(np.float64))), rtol=rtol)
 
 
@@ -234,9 +235,9 @@ def test_hc_split_and_post(mode):
     fn = DenseWeight("hc_fn", GGMLType.F32, RNG.standard_normal((24, 4 * D)).astype(np.float32), 4 * D)
     scale = RNG.uniform(0.5, 2, 3).astype(np.float32)
     base = RNG.standard_normal(24).astype(np.float32)
-    hc = HyperConnection(fn, mx.array(scale), mx.array(base), 4, 20, 1e-6, 1e-6)
+    hc = HyperConnection(fn, mx.array(scale), mx.array(base), 4, 20, 1e-6, 1e-6, ops_for(mode))
     mix = RNG.standard_normal((T, 24)).astype(np.float32)
-    pre, post, comb = (np.array(a) for a in hc.split(mx.array(mix), mode))
+    pre, post, comb = (np.array(a) for a in hc.split(mx.array(mix)))
     for t in range(T):
         rp, rq, rm = _ref_split(mix[t].astype(np.float64), scale, base)
         np.testing.assert_allclose(pre[t], rp, rtol=1e-6)
@@ -244,11 +245,11 @@ def test_hc_split_and_post(mode):
         np.testing.assert_allclose(comb[t], rm, rtol=1e-5, atol=1e-7)
     H = RNG.standard_normal((T, 4, D)).astype(np.float32)
     f = RNG.standard_normal((T, D)).astype(np.float32)
-    out = np.array(HyperConnection.post(mx.array(f), mx.array(H), mx.array(post), mx.array(comb), mode))
+    out = np.array(hc.post(mx.array(f), mx.array(H), mx.array(post), mx.array(comb)))
     ref = post[:, :, None] * f[:, None, :] + np.einsum("tsd,tse->tde", comb.astype(np.float64), H)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
     # pre step: flat RMSNorm -> mixer -> weighted stream sum
-    x, _, _ = hc.pre(mx.array(H), mode)
+    x, _, _ = hc.pre(mx.array(H))
     flat = H.reshape(T, -1).astype(np.float64)
     flat = flat / np.sqrt(np.mean(flat ** 2, axis=1, keepdims=True) + 1e-6)
     mix2 = flat @ np.array(fn.dense()).T.astype(np.float64)

@@ -54,8 +54,9 @@ def models(tiny_model_path):
 def _run_layer(model, tokens: np.ndarray, H: np.ndarray, il: int) -> tuple[np.ndarray, np.ndarray]:
     block = model.blocks[il]
     state = ModelState.empty(model.config).layers[il]
-    after, _ = block.attention_part(mx.array(H), 0, state, model.numerics)
-    out = block.ffn_part(after, tokens, model.numerics)
+    with model.ops.stream():
+        after, _ = block.attention_part(mx.array(H), 0, state)
+        out = block.ffn_part(after, tokens)
     return np.array(after), np.array(out)
 
 

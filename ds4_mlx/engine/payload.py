@@ -68,6 +68,7 @@ import numpy as np
 from ds4_mlx.errors import PayloadError  # noqa: F401  (re-exported: callers import it from here)
 from ds4_mlx.formats.config import ModelConfig
 from ds4_mlx.model.numerics import EMPTY_SCORE
+from ds4_mlx.model.state import FIELDS, LANES, StateArray, state_layout  # noqa: F401  (LANES/FIELDS re-exported)
 
 MAGIC = b"DS4MLXSP"
 VERSION = 1
@@ -81,8 +82,6 @@ CRC_BYTES = 4
 NUMERICS_CODES = {"default": 0, "ds4-cpu": 1}
 DTYPE_F32, DTYPE_F16 = 1, 2
 _DTYPES = {DTYPE_F32: np.dtype("<f4"), DTYPE_F16: np.dtype("<f2")}
-LANES = ("raw", "attn", "index")
-FIELDS = ("rows", "kst", "gst")
 # The empty frontier row's value per field (rows arrays have none), compared bit for bit.
 _FILL = {1: np.float32(0.0), 2: np.float32(EMPTY_SCORE)}
 
@@ -133,38 +132,14 @@ def model_fingerprint(gguf_file) -> bytes:
     return h.digest()
 
 
-@dataclass(frozen=True)
-class ArraySpec:
-    """One record: layer, lane (raw / attn / index), field (rows / kst / gst) and its shape."""
-
-    layer: int
-    lane: int
-    field: int
-    shape: tuple[int, int]
-
-    @property
-    def key(self) -> str:
-        """The ``ModelState.to_numpy`` key of this array."""
-        if self.lane == 0:
-            return f"layer.{self.layer}.raw"
-        return f"layer.{self.layer}.{LANES[self.lane]}.{FIELDS[self.field]}"
+# One record: layer, lane (raw / attn / index), field (rows / kst / gst) and its shape; the layout is
+# the model's (``state.state_layout``), so the payload never restates it.
+ArraySpec = StateArray
 
 
 def expected_arrays(cfg: ModelConfig, n_tokens: int) -> list[ArraySpec]:
     """The records a payload of ``n_tokens`` holds, in file order, with their shapes."""
-    out = []
-    for il in range(cfg.n_layer):
-        r = cfg.compress_ratio(il)
-        out.append(ArraySpec(il, 0, 0, (min(n_tokens, cfg.n_swa), cfg.head_dim)))
-        lanes = [(1, cfg.head_dim)] if r else []
-        if r == 4:
-            lanes.append((2, cfg.indexer_head_dim))
-        for lane, dim in lanes:
-            coff = 2 if r == 4 else 1
-            out.append(ArraySpec(il, lane, 0, (n_tokens // r, dim)))
-            out.append(ArraySpec(il, lane, 1, (coff * r, coff * dim)))
-            out.append(ArraySpec(il, lane, 2, (coff * r, coff * dim)))
-    return out
+    return state_layout(cfg, n_tokens)
 
 
 def compressed_bytes_per_token(cfg: ModelConfig) -> float:

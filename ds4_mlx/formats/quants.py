@@ -299,13 +299,10 @@ def _dequantize_flat_unchecked(flat: np.ndarray, qt: GGMLType, n_elements: int) 
 def dequantize(data: Any, qtype: "int | str | GGMLType", n_elements: int) -> Any:
     """Decode ``n_elements`` values of ``qtype`` from ``data`` (whole blocks, nothing more, nothing less).
 
-    Returns float32 (int32 for I32), 1-D. An MLX array in gives an MLX array out (see ``quants_mlx``).
+    Returns float32 (int32 for I32), 1-D numpy. MLX arrays are ``quants_mlx.dequantize_mlx``'s job
+    (``ds4_mlx.quants.dequantize`` dispatches on the input type); this module never imports MLX.
     """
     qt = supported_qtype(qtype)
-    if _is_mlx_array(data):
-        from ds4_mlx.formats import quants_mlx
-
-        return quants_mlx.dequantize_mlx(data, qt, n_elements)
     flat = as_bytes_1d(data)
     check_data_size(qt, n_elements, flat.size)
     return _dequantize_flat(flat, qt, int(n_elements))
@@ -314,23 +311,15 @@ def dequantize(data: Any, qtype: "int | str | GGMLType", n_elements: int) -> Any
 def dequantize_rows(raw: Any, qtype: "int | str | GGMLType") -> Any:
     """Decode a (..., row_bytes) matrix of quantized rows into float32 (..., cols) (int32 for I32).
 
-    An MLX array in gives an MLX array out.
+    numpy only; ``quants_mlx.dequantize_rows_mlx`` is the MLX twin.
     """
     qt = supported_qtype(qtype)
-    if _is_mlx_array(raw):
-        from ds4_mlx.formats import quants_mlx
-
-        return quants_mlx.dequantize_rows_mlx(raw, qt)
     rows = _rows_u8(raw)
     cols = check_row_bytes(qt, rows.shape[-1])
     lead = rows.shape[:-1]
     flat = np.ascontiguousarray(rows).reshape(-1)
     n_rows = int(np.prod(lead, dtype=np.int64))
     return _dequantize_flat(flat, qt, n_rows * cols).reshape(*lead, cols)
-
-
-def _is_mlx_array(x: Any) -> bool:
-    return type(x).__module__.startswith("mlx") and type(x).__name__ == "array"
 
 
 # --------------------------------------------------------------------------------------------------

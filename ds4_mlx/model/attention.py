@@ -23,14 +23,14 @@ from ds4_mlx.formats.config import ModelConfig
 from ds4_mlx.model.compressor import Compressor
 from ds4_mlx.model.decode_cache import LayerCache
 from ds4_mlx.model.indexer import Indexer
-from ds4_mlx.model.linear import DenseWeight, Numerics
-from ds4_mlx.model.numerics import exp, f16_round, fp8_kv_round, rms_norm, sequential_sum
+from ds4_mlx.model.linear import DenseWeight
+from ds4_mlx.model.numerics import f16_round, fp8_kv_round
+from ds4_mlx.model.ops import DefaultOps
 from ds4_mlx.model.rope import Rope, apply_rope
 from ds4_mlx.model.state import LayerState
 
 # Upper bound on the floats held by one query block's score / gather tensors.
 BLOCK_BUDGET = 1 << 23
-NEG_INF = float("-inf")
 
 
 class Attention:
@@ -38,8 +38,8 @@ class Attention:
                  q_a_norm: mx.array, q_b: DenseWeight, kv: DenseWeight, kv_norm: mx.array,
                  sinks: mx.array, out_a: DenseWeight, out_b: DenseWeight,
                  compressor: Compressor | None = None, index_compressor: Compressor | None = None,
-                 indexer: Indexer | None = None):
-        self.il = il
+                 indexer: Indexer | None = None, ops: DefaultOps):
+        self.il, self.ops = il, ops
         self.n_head, self.head_dim, self.n_rot = cfg.n_head, cfg.head_dim, cfg.n_rot
         self.n_nope, self.n_swa, self.eps = cfg.n_nope, cfg.n_swa, cfg.rms_eps
         self.ratio = cfg.compress_ratio(il)
@@ -53,17 +53,13 @@ class Attention:
 
     # -- the sub-layer ---------------------------------------------------------------------------
 
-    def __call__(self, x: mx.array, p0: int, state: LayerState,
-                 numerics: Numerics) -> tuple[mx.array, LayerState]:
+    def __call__(self, x: mx.array, p0: int, state: LayerState) -> tuple[mx.array, LayerState]:
         """x [L, n_embd] for positions p0..p0+L-1 -> (a [L, n_embd], state after these tokens)."""
-        L, H, D = x.shape[0], self.n_head, self.head_dim
+        L, ops = x.shape[0], self.ops
         pos = p0 + np.arange(L)
-        xn = rms_norm(x, self.attn_norm, self.eps, numerics)
-        qn = rms_norm(self.q_a(xn, numerics), self.q_a_norm, self.eps, numerics)
-        q = rms_norm(self.q_b(qn, numerics).reshape(L, H, D), None, self.eps, numerics)
-        kv = rms_norm(self.kv(xn, numerics), self.kv_norm, self.eps, numerics)
+        xn, qn, q, kv = self._project(x, L)
 
-        cos, sin = self.rope.tables(pos, numerics=numerics)
+        cos, sin = ops.rope_tables(self.rope, pos)
         q = apply_rope(q, cos, sin)
         kv = f16_round(fp8_kv_round(apply_rope(kv, cos, sin), self.n_nope))
 
@@ -74,19 +70,15 @@ class Attention:
         attn_state = index_state = None
         comp = idx_rows = None
         if self.ratio:
-            _, attn_state = self.compressor(xn, p0, state.attn, numerics)
+            _, attn_state = self.compressor(xn, p0, state.attn)
             comp = attn_state.rows
             if self.ratio == 4:
-                _, index_state = self.index_compressor(xn, p0, state.index, numerics)
+                _, index_state = self.index_compressor(xn, p0, state.index)
                 idx_rows = index_state.rows
 
-        heads = self._attend(q, qn, xn, cos, sin, pos, raw, n_prev, comp, idx_rows, numerics)
-        icos, isin = self.rope.tables(pos, inverse=True, numerics=numerics)
-        heads = apply_rope(heads, icos, isin)
-
-        groups = heads.reshape(L, self.n_group, (H // self.n_group) * D)
-        low = mx.concatenate([self.out_a[g](groups[:, g], numerics) for g in range(self.n_group)], axis=-1)
-        a = self.out_b(low, numerics)
+        heads = self._attend(q, qn, xn, cos, sin, pos, raw, n_prev, comp, idx_rows)
+        icos, isin = ops.rope_tables(self.rope, pos, inverse=True)
+        a = self._output(apply_rope(heads, icos, isin))
 
         new_raw = raw[-self.n_swa:] if raw.shape[0] > self.n_swa else raw
         return a, LayerState(new_raw, attn_state, index_state)
@@ -103,11 +95,8 @@ class Attention:
         row < (p+1)//R) or, on ratio-4 layers whose buffer exceeds top_k rows, the indexer's top_k
         slots (see ``Indexer.select_fixed``).
         """
-        H, D, numerics = self.n_head, self.head_dim, Numerics.DEFAULT
-        xn = rms_norm(x, self.attn_norm, self.eps, numerics)
-        qn = rms_norm(self.q_a(xn, numerics), self.q_a_norm, self.eps, numerics)
-        q = rms_norm(self.q_b(qn, numerics).reshape(1, H, D), None, self.eps, numerics)
-        kv = rms_norm(self.kv(xn, numerics), self.kv_norm, self.eps, numerics)
+        H, D = self.n_head, self.head_dim
+        xn, qn, q, kv = self._project(x, 1)
         q = apply_rope(q, cos, sin)
         kv = f16_round(fp8_kv_round(apply_rope(kv, cos, sin), self.n_nope))
 
@@ -126,34 +115,48 @@ class Attention:
             if R == 4:
                 index_lane = self.index_compressor.decode_step(xn, pos, ccos, csin, cache.index)
             if R == 4 and n_slots > self.indexer.top_k:
-                qi, wi = self.indexer.queries(qn, xn, cos, sin, numerics)
-                sc = self.indexer.scores(qi, wi, index_lane.rows, numerics)[0]
+                qi, wi = self.indexer.queries(qn, xn, cos, sin)
+                sc = self.indexer.scores(qi, wi, index_lane.rows)[0]
                 ids, used = self.indexer.select_fixed(sc, n_vis)
                 key_sets.append((mx.take(comp, ids, axis=0)[None], used[None]))
             else:
                 key_sets.append((comp, (mx.arange(n_slots, dtype=mx.int32) < n_vis)[None]))
 
-        heads = apply_rope(self._softmax_fast(q, key_sets), cos, -sin)
-        groups = heads.reshape(1, self.n_group, (H // self.n_group) * D)
-        low = mx.concatenate([self.out_a[g](groups[:, g], numerics) for g in range(self.n_group)], axis=-1)
-        return self.out_b(low, numerics), LayerCache(ring, attn_lane, index_lane)
+        heads = apply_rope(self.ops.sink_softmax(q, key_sets, self.sinks, self.kq_scale), cos, -sin)
+        return self._output(heads), LayerCache(ring, attn_lane, index_lane)
+
+    # -- projections in and out ---------------------------------------------------------------------
+
+    def _project(self, x: mx.array, L: int) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """x [L, n_embd] -> (xn, qn, q [L, H, D] before RoPE, kv [L, D] before RoPE)."""
+        ops = self.ops
+        xn = ops.rms_norm(x, self.attn_norm, self.eps)
+        qn = ops.rms_norm(ops.linear(self.q_a, xn), self.q_a_norm, self.eps)
+        q = ops.rms_norm(ops.linear(self.q_b, qn).reshape(L, self.n_head, self.head_dim), None, self.eps)
+        kv = ops.rms_norm(ops.linear(self.kv, xn), self.kv_norm, self.eps)
+        return xn, qn, q, kv
+
+    def _output(self, heads: mx.array) -> mx.array:
+        """heads [L, H, D] (after the inverse RoPE) -> a = Wo_b · concat_g(Wo_a[g] · group g)."""
+        L, H, D = heads.shape
+        groups = heads.reshape(L, self.n_group, (H // self.n_group) * D)
+        low = mx.concatenate([self.ops.linear(self.out_a[g], groups[:, g]) for g in range(self.n_group)], axis=-1)
+        return self.ops.linear(self.out_b, low)
 
     # -- attention over the visible rows -----------------------------------------------------------
 
-    def _block_size(self, L: int, n_comp_keys: int, n_index_rows: int, numerics: Numerics) -> int:
+    def _block_size(self, L: int, n_comp_keys: int, n_index_rows: int) -> int:
         """Queries per block so that one block's scores / gathered keys stay within BLOCK_BUDGET.
 
-        The DS4_CPU path materialises per-(query, head, key) products of width head_dim to sum them
-        in ds4's order, so its blocks are head_dim times smaller.
+        ds4-cpu ops materialise per-(query, head, key) products of width head_dim to sum them in
+        ds4's order (``ops.product_width``), so their blocks are head_dim times smaller.
         """
-        H, D = self.n_head, self.head_dim
-        exact = numerics is Numerics.DS4_CPU
-        width = D if exact else 1
-        per_query = H * (self.n_swa + n_comp_keys) * width + self.n_swa * D
+        H, D, ops = self.n_head, self.head_dim, self.ops
+        per_query = H * (self.n_swa + n_comp_keys) * ops.product_width(D) + self.n_swa * D
         if self.indexer is not None:
-            per_query += self.indexer.n_head * n_index_rows * (self.indexer.head_dim if exact else 1)
+            per_query += self.indexer.n_head * n_index_rows * ops.product_width(self.indexer.head_dim)
             per_query += self.indexer.top_k * D
-        shared_raw = 0 if exact else H  # the fast path's block-shared raw keys grow with the block
+        shared_raw = H if ops.shares_raw_keys else 0  # block-shared raw keys grow with the block
         qb = L
         while qb > 1 and qb * (per_query + shared_raw * qb) > BLOCK_BUDGET:
             qb = (qb + 1) // 2
@@ -161,7 +164,7 @@ class Attention:
 
     def _attend(self, q: mx.array, qn: mx.array, xn: mx.array, cos: mx.array, sin: mx.array,
                 pos: np.ndarray, raw: mx.array, n_prev: int, comp: mx.array | None,
-                idx_rows: mx.array | None, numerics: Numerics) -> mx.array:
+                idx_rows: mx.array | None) -> mx.array:
         """Attention outputs [L, H, D] (before the inverse RoPE) for queries at ``pos``."""
         L, H, D = q.shape
         R = self.ratio
@@ -172,90 +175,27 @@ class Attention:
         use_indexer = R == 4 and int(n_vis_all[-1]) > top_k
         qi = wi = None
         if use_indexer:
-            qi, wi = self.indexer.queries(qn, xn, cos, sin, numerics)
+            qi, wi = self.indexer.queries(qn, xn, cos, sin)
         n_comp_keys = top_k if R == 4 else int(n_vis_all[-1])
-        qb = self._block_size(L, n_comp_keys, int(n_vis_all[-1]) if use_indexer else 0, numerics)
+        qb = self._block_size(L, n_comp_keys, int(n_vis_all[-1]) if use_indexer else 0)
 
         out = []
         for b0 in range(0, L, qb):
             b1 = min(L, b0 + qb)
             pb = pos[b0:b1]
-            if numerics is Numerics.DS4_CPU:
-                # Each query's own window, oldest first (positions before 0 masked).
-                kp = pb[:, None] - self.n_swa + 1 + np.arange(self.n_swa)[None, :]
-                idx = np.maximum(kp - raw_base, 0)
-                raw_keys = mx.take(raw, mx.array(idx.reshape(-1)), axis=0).reshape(b1 - b0, self.n_swa, D)
-                raw_mask = kp >= raw_base
-            else:
-                # Keys at positions [pb[0]-n_swa+1, pb[-1]] shared by the block; per-query mask.
-                k_lo = max(raw_base, int(pb[0]) - self.n_swa + 1)
-                k_hi = int(pb[-1]) + 1
-                kp = np.arange(k_lo, k_hi)
-                raw_keys = raw[k_lo - raw_base: k_hi - raw_base]
-                raw_mask = (kp[None, :] <= pb[:, None]) & (kp[None, :] > pb[:, None] - self.n_swa)
-            key_sets = [(raw_keys, raw_mask)]
+            key_sets = [self.ops.raw_window(raw, raw_base, pb, self.n_swa)]
 
             if R:
                 n_vis = n_vis_all[b0:b1]
                 n_max = int(n_vis[-1])
                 if R == 4 and n_max > top_k:
                     # Per-query indexer selection; rows keep ascending index order, as ds4 scans them.
-                    sc = self.indexer.scores(qi[b0:b1], wi[b0:b1], idx_rows[:n_max], numerics)
+                    sc = self.indexer.scores(qi[b0:b1], wi[b0:b1], idx_rows[:n_max])
                     sel = self.indexer.select(sc, n_vis)
                     gathered = mx.take(comp, mx.array(sel.reshape(-1)), axis=0).reshape(b1 - b0, -1, D)
                     key_sets.append((gathered, sel < n_vis[:, None]))
                 elif n_max > 0:
                     key_sets.append((comp[:n_max], np.arange(n_max)[None, :] < n_vis[:, None]))
 
-            if numerics is Numerics.DS4_CPU:
-                out.append(self._softmax_ds4(q[b0:b1], key_sets))
-            else:
-                out.append(self._softmax_fast(q[b0:b1], key_sets))
+            out.append(self.ops.sink_softmax(q[b0:b1], key_sets, self.sinks, self.kq_scale))
         return out[0] if len(out) == 1 else mx.concatenate(out, axis=0)
-
-    def _softmax_fast(self, q: mx.array, key_sets: list[tuple[mx.array, np.ndarray | mx.array]]) -> mx.array:
-        """One sink softmax over all key sets with matmuls. q [n, H, D]; keys [K, D] shared by the
-        block's queries or [n, K, D] per query; masks [n, K] (numpy, or MLX inside a compiled step)."""
-        n, H, D = q.shape
-        sink = self.sinks.reshape(1, H, 1)
-        qflat = q.reshape(n * H, D)
-        scores = []
-        for keys, mask in key_sets:
-            if keys.ndim == 2:
-                s = (qflat @ keys.T).reshape(n, H, -1)
-            else:
-                s = mx.matmul(q, keys.transpose(0, 2, 1))
-            mask = mask if isinstance(mask, mx.array) else mx.array(mask)
-            scores.append(mx.where(mask[:, None, :], s * self.kq_scale, NEG_INF))
-        m = sink
-        for s in scores:
-            m = mx.maximum(m, mx.max(s, axis=-1, keepdims=True))
-        denom = mx.exp(sink - m)
-        acc = None
-        for s, (keys, _) in zip(scores, key_sets):
-            e = mx.exp(s - m)
-            denom = denom + mx.sum(e, axis=-1, keepdims=True)
-            o = (e.reshape(n * H, -1) @ keys).reshape(n, H, D) if keys.ndim == 2 else mx.matmul(e, keys)
-            acc = o if acc is None else acc + o
-        return acc * (1.0 / denom)
-
-    def _softmax_ds4(self, q: mx.array, key_sets: list[tuple[mx.array, np.ndarray]]) -> mx.array:
-        """The same softmax in ds4's CPU order: each score a left-to-right float32 dot, then
-        denominator (sink first) and output accumulated key by key (raw rows, then compressed rows
-        in index order); masked keys weigh exactly 0 and leave both sums unchanged."""
-        n, H, D = q.shape
-        sink = self.sinks.reshape(1, H, 1)
-        scores, keys4 = [], []
-        for keys, mask in key_sets:
-            k4 = keys[None, None] if keys.ndim == 2 else keys[:, None]  # [1|n, 1, K, D]
-            # products laid out [n, H, D, K]: the scan over D then runs on contiguous K-vectors
-            s = sequential_sum(q[:, :, :, None] * k4.transpose(0, 1, 3, 2), axis=2) * self.kq_scale
-            scores.append(mx.where(mx.array(mask)[:, None, :], s, NEG_INF))
-            keys4.append(k4)
-        m = sink
-        for s in scores:
-            m = mx.maximum(m, mx.max(s, axis=-1, keepdims=True))
-        w = [exp(s - m, Numerics.DS4_CPU) for s in scores]
-        denom = sequential_sum(mx.concatenate([exp(sink - m, Numerics.DS4_CPU) * mx.ones((n, 1, 1))] + w, axis=-1))
-        terms = mx.concatenate([wi[..., None] * k4 for wi, k4 in zip(w, keys4)], axis=2)  # [n, H, K, D]
-        return sequential_sum(terms, axis=2) * (1.0 / denom[..., None])

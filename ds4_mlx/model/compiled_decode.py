@@ -51,13 +51,8 @@ import mlx.core as mx
 import numpy as np
 
 from ds4_mlx.model.decode_cache import DecodeCache, LaneCache, LayerCache, capacity_for
-from ds4_mlx.model.hyper_connection import HyperConnection
-from ds4_mlx.model.linear import Numerics
-from ds4_mlx.model.numerics import rms_norm
 from ds4_mlx.model.rope import Rope
 from ds4_mlx.model.state import InferenceError
-
-_NUM = Numerics.DEFAULT
 
 
 class _RopeRows:
@@ -65,15 +60,15 @@ class _RopeRows:
 
     BLOCK = 256
 
-    def __init__(self, rope: Rope):
-        self.rope = rope
+    def __init__(self, rope: Rope, ops):
+        self.rope, self.ops = rope, ops
         self._b0 = -1
         self._cos = self._sin = None
 
     def at(self, p: int) -> tuple[mx.array, mx.array]:
         b0 = p - p % self.BLOCK
         if b0 != self._b0:
-            c, s = self.rope.tables(np.arange(b0, b0 + self.BLOCK), numerics=_NUM)
+            c, s = self.ops.rope_tables(self.rope, np.arange(b0, b0 + self.BLOCK))
             self._cos, self._sin = np.array(c), np.array(s)
             self._b0 = b0
         i = p - b0
@@ -102,28 +97,28 @@ class _Counter:
     n = 0
 
 
-def _finish_ffn(carry: list[mx.array]) -> mx.array:
-    """carry = [H] (layer 0) or [down, shared, H, post, C] (a pending FFN) -> H."""
+def _finish_ffn(carry: list[mx.array], prev) -> mx.array:
+    """carry = [H] (layer 0) or [down, shared, H, post, C] (a pending FFN of block ``prev``) -> H."""
     if len(carry) == 1:
         return carry[0]
     down, shared, H, post, comb = carry
-    return HyperConnection.post(mx.sum(down, axis=1) + shared, H, post, comb, _NUM)
+    return prev.hc_ffn.post(prev.ffn.combine(down, shared), H, post, comb)
 
 
-def _layer_body(block, counter: _Counter):
+def _layer_body(block, prev, counter: _Counter):
     attn, ffn = block.attn, block.ffn
 
     def body(carry, pos, tables, cache):
         counter.n += 1
-        H = _finish_ffn(carry)
+        H = _finish_ffn(carry, prev)
         cos, sin, ccos, csin = tables if len(tables) == 4 else (*tables, None, None)
-        x, post, comb = block.hc_attn.pre(H, _NUM)
+        x, post, comb = block.hc_attn.pre(H)
         a, lc = attn.decode_step(x, pos, cos, sin, ccos, csin, _unflatten(cache))
-        H = HyperConnection.post(a, H, post, comb, _NUM)
-        x, post, comb = block.hc_ffn.pre(H, _NUM)
-        xn = rms_norm(x, ffn.ffn_norm, ffn.eps, _NUM)
-        prob, choice = ffn.router_scores(xn, _NUM)
-        out = [H, xn, post, comb, prob, ffn.shared_expert(xn, _NUM)]
+        H = block.hc_attn.post(a, H, post, comb)
+        x, post, comb = block.hc_ffn.pre(H)
+        xn = ffn.ops.rms_norm(x, ffn.ffn_norm, ffn.eps)
+        prob, choice = ffn.router_scores(xn)
+        out = [H, xn, post, comb, prob, ffn.shared_expert(xn)]
         if choice is not None:
             out.append(choice)
         return out, _flatten(lc)
@@ -131,10 +126,10 @@ def _layer_body(block, counter: _Counter):
     return body
 
 
-def _head_body(model_ref, counter: _Counter):
+def _head_body(model_ref, last, counter: _Counter):
     def body(carry):
         counter.n += 1
-        return model_ref().head(_finish_ffn(carry))[0]
+        return model_ref().head(_finish_ffn(carry, last))[0]
 
     return body
 
@@ -148,7 +143,7 @@ class CompiledDecoder:
     """
 
     def __init__(self, model, compile: bool = True):
-        if model.numerics is not Numerics.DEFAULT:
+        if not model.ops.compilable:
             raise InferenceError("the compiled decode step exists for DEFAULT numerics only "
                                  "(ds4-cpu runs its reference arithmetic uncompiled)")
         self._model = weakref.ref(model)
@@ -156,8 +151,10 @@ class CompiledDecoder:
         self._counter = _Counter()
         self._tables: dict[tuple, _RopeRows] = {}
         wrap = mx.compile if compile else (lambda f: f)
-        self._layer_fns = [wrap(_layer_body(b, self._counter)) for b in model.blocks]
-        self._head_fn = wrap(_head_body(self._model, self._counter))
+        blocks = model.blocks
+        self._layer_fns = [wrap(_layer_body(b, blocks[i - 1] if i else None, self._counter))
+                           for i, b in enumerate(blocks)]
+        self._head_fn = wrap(_head_body(self._model, blocks[-1], self._counter))
 
     @property
     def model(self):
@@ -171,7 +168,7 @@ class CompiledDecoder:
     def _rows(self, rope: Rope) -> _RopeRows:
         key = _rope_key(rope)
         if key not in self._tables:
-            self._tables[key] = _RopeRows(rope)
+            self._tables[key] = _RopeRows(rope, self.model.ops)
         return self._tables[key]
 
     # -- one step -----------------------------------------------------------------------------------
@@ -202,8 +199,8 @@ class CompiledDecoder:
             del new_cache
             H, xn, post, comb, prob, shared = out[:6]
             sel = ffn.select(out[6] if len(out) > 6 else None, tokens)
-            w = ffn.route_weights(prob, sel, _NUM)
-            carry = [ffn.routed_experts(xn, sel, w, _NUM), shared, H, post, comb]
+            w = ffn.route_weights(prob, sel)
+            carry = [ffn.routed_experts(xn, sel, w), shared, H, post, comb]
         logits = self._head_fn(carry)
         cache.n_tokens = p + 1
         mx.eval(*cache.arrays())

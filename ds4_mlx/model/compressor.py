@@ -20,9 +20,9 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ds4_mlx.model.linear import DenseWeight, Numerics
-from ds4_mlx.model.numerics import (EMPTY_SCORE, exp, f16_round, fp8_kv_round, indexer_qat, rms_norm,
-                                    sequential_sum)
+from ds4_mlx.model.linear import DenseWeight
+from ds4_mlx.model.numerics import EMPTY_SCORE, f16_round, fp8_kv_round, indexer_qat
+from ds4_mlx.model.ops import DefaultOps
 from ds4_mlx.model.decode_cache import LaneCache
 from ds4_mlx.model.rope import Rope, apply_rope
 from ds4_mlx.model.state import CompressorState
@@ -30,20 +30,20 @@ from ds4_mlx.model.state import CompressorState
 
 class Compressor:
     def __init__(self, kv: DenseWeight, gate: DenseWeight, ape: mx.array, norm: mx.array, ratio: int,
-                 dim: int, rope: Rope, n_nope: int | None, eps: float):
-        """``n_nope`` set: attention lane (FP8 on dims < n_nope); None: indexer lane (Hadamard + FP4)."""
-        self.kv, self.gate, self.ape, self.norm = kv, gate, ape, norm
+                 dim: int, rope: Rope, n_nope: int | None, eps: float, coff: int, ops: DefaultOps):
+        """``n_nope`` set: attention lane (FP8 on dims < n_nope); None: indexer lane (Hadamard + FP4).
+        ``coff``: ``ModelConfig.coff(il)`` (2 on ratio-4 layers: overlapping windows, else 1)."""
+        self.kv, self.gate, self.ape, self.norm, self.ops = kv, gate, ape, norm, ops
         self.ratio, self.dim, self.rope, self.n_nope, self.eps = ratio, dim, rope, n_nope, eps
-        self.coff = 2 if ratio == 4 else 1
+        self.coff = coff
 
-    def __call__(self, xn: mx.array, p0: int, state: CompressorState,
-                 numerics: Numerics) -> tuple[mx.array, CompressorState]:
+    def __call__(self, xn: mx.array, p0: int, state: CompressorState) -> tuple[mx.array, CompressorState]:
         """xn [L, n_embd] at positions p0.. -> (rows emitted in this chunk [n_emit, D], new state)."""
         R, D, W = self.ratio, self.dim, self.coff * self.dim
         L = xn.shape[0]
         pos_mod = (p0 + np.arange(L)) % R
-        k = self.kv(xn, numerics)
-        g = self.gate(xn, numerics) + self.ape[mx.array(pos_mod)]
+        k = self.ops.linear(self.kv, xn)
+        g = self.ops.linear(self.gate, xn) + self.ape[mx.array(pos_mod)]
 
         r0 = p0 % R
         n_front = R + r0 if R == 4 else r0  # frontier rows in position order
@@ -83,10 +83,10 @@ class Compressor:
             else:
                 slot_k = seq_k[first: first + R * n_emit].reshape(n_emit, R, D)
                 slot_g = seq_g[first: first + R * n_emit].reshape(n_emit, R, D)
-            pooled = self._pool(slot_k, slot_g, numerics)
-            c = rms_norm(pooled, self.norm, self.eps, numerics)
+            pooled = self.ops.pool(slot_k, slot_g, R)
+            c = self.ops.rms_norm(pooled, self.norm, self.eps)
             w0 = p0 // R
-            cos, sin = self.rope.tables(R * (w0 + np.arange(n_emit)), numerics=numerics)
+            cos, sin = self.ops.rope_tables(self.rope, R * (w0 + np.arange(n_emit)))
             c = apply_rope(c, cos, sin)
             c = fp8_kv_round(c, self.n_nope) if self.n_nope is not None else indexer_qat(c)
             rows = f16_round(c)
@@ -105,10 +105,9 @@ class Compressor:
         on emission the window's rows are cleared (R = 4: moved to the "previous window" half).
         """
         R, D, W = self.ratio, self.dim, self.coff * self.dim
-        numerics = Numerics.DEFAULT
         r = pos % R
-        k = self.kv(xn, numerics)
-        g = self.gate(xn, numerics) + mx.take(self.ape, r.reshape(1), axis=0)
+        k = self.ops.linear(self.kv, xn)
+        g = self.ops.linear(self.gate, xn) + mx.take(self.ape, r.reshape(1), axis=0)
         row = (r + 4 if R == 4 else r).reshape(1)
         kst = mx.slice_update(lane.kst, k, row, axes=(0,))
         gst = mx.slice_update(lane.gst, g, row, axes=(0,))
@@ -120,7 +119,7 @@ class Compressor:
             slot_g = mx.stack([prv_g[..., :D], cur_g[..., D:]], axis=2).reshape(1, 8, D)
         else:
             slot_k, slot_g = kst.reshape(1, R, D), gst.reshape(1, R, D)
-        c = rms_norm(self._pool(slot_k, slot_g, numerics), self.norm, self.eps, numerics)
+        c = self.ops.rms_norm(self.ops.pool(slot_k, slot_g, R), self.norm, self.eps)
         c = apply_rope(c, cos, sin)
         c = f16_round(fp8_kv_round(c, self.n_nope) if self.n_nope is not None else indexer_qat(c))
         rows = mx.slice_update(lane.rows, c, (pos // R).reshape(1), axes=(0,))
@@ -134,19 +133,3 @@ class Compressor:
             kst = mx.where(emit, mx.zeros_like(kst), kst)
             gst = mx.where(emit, mx.full(gst.shape, EMPTY_SCORE, dtype=mx.float32), gst)
         return LaneCache(rows, kst, gst)
-
-    def _pool(self, k: mx.array, g: mx.array, numerics: Numerics) -> mx.array:
-        """Per-dimension softmax pooling over the slot axis: [N, S, D] -> [N, D]."""
-        m = mx.max(g, axis=1, keepdims=True)
-        w = exp(g - m, numerics)  # empty slots (score -1e30) weigh exactly 0
-        if numerics is Numerics.DS4_CPU:
-            # ds4's loop order; ratio 4 adds (w_prev + w_cur) per r into the denominator and the two
-            # products in turn into the numerator (slots are interleaved prev, cur, prev, …).
-            pairs = w[:, 0::2] + w[:, 1::2] if self.ratio == 4 else w
-            denom = sequential_sum(pairs, axis=1)
-            num = sequential_sum(w * k, axis=1)
-        else:
-            denom = mx.sum(w, axis=1)
-            num = mx.sum(w * k, axis=1)
-        # Emitted windows always hold real slots, so the max is finite and denom > 0.
-        return num / denom

@@ -42,7 +42,8 @@ from ds4_mlx.formats.ggml_types import BLOCK_GEOMETRY, GGMLType
 from ds4_mlx.formats.iq2xxs_tables import grid_bytes, sign_bits
 from ds4_mlx.formats.quants_mlx import dequantize_rows_mlx, quantize_q8_k_activation_mlx
 from ds4_mlx.model import metal_kernels
-from ds4_mlx.model.linear import Backend, Numerics, _DS4_CHUNK_ELEMENTS, _chunks, _numerics, resolve_backend
+from ds4_mlx.model.linear import Backend, resolve_backend
+from ds4_mlx.model.ops import DS4_CHUNK_ELEMENTS, Numerics, as_numerics, chunks
 
 QK_K = 256
 
@@ -277,7 +278,7 @@ class ExpertWeights:
         self.calls += 1
         self.pairs += T * k
         x_rows = x.reshape(T * kx, n_in)
-        if _numerics(numerics) is Numerics.DS4_CPU:
+        if as_numerics(numerics) is Numerics.DS4_CPU:
             with mx.stream(mx.cpu):
                 y = self._ds4_pairs(mx.array(self._read(uniq)), x_rows, slot, rows)
         elif self.use_kernels:
@@ -326,13 +327,13 @@ class ExpertWeights:
         order = np.argsort(slot, kind="stable")
         bounds = np.searchsorted(slot[order], np.arange(int(slot.max()) + 2))
         # rows per chunk so the largest temporary, [sub-blocks, rows, out], stays below the bound
-        step = max(1, _DS4_CHUNK_ELEMENTS // ((n_in // 32) * out_dim))
+        step = max(1, DS4_CHUNK_ELEMENTS // ((n_in // 32) * out_dim))
         big = len(slot) > step
         pieces = []
         for s in range(len(bounds) - 1):
             sel = order[bounds[s]:bounds[s + 1]]
             w = tuple(p[s] for p in parts)
-            for a, b in _chunks(len(sel), step):
+            for a, b in chunks(len(sel), step):
                 r = mx.array(rows[sel[a:b]])
                 pieces.append(fn(w, mx.take(xq, r, axis=0), mx.take(xd, r, axis=0)))
                 if big:

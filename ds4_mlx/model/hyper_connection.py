@@ -15,86 +15,59 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ds4_mlx.model.linear import DenseWeight, Numerics
-from ds4_mlx.model.numerics import exp, ordered_sum, rms_norm, sigmoid_expf, sigmoid_stable
-
-
-def _row_sum(c: mx.array, numerics: Numerics) -> mx.array:
-    """Σ_b C[a][b], keepdims, in ds4's loop order for DS4_CPU."""
-    if numerics is Numerics.DS4_CPU:
-        return ordered_sum([c[..., b: b + 1] for b in range(c.shape[-1])])
-    return mx.sum(c, axis=-1, keepdims=True)
-
-
-def _col_sum(c: mx.array, numerics: Numerics) -> mx.array:
-    """Σ_a C[a][b], keepdims."""
-    if numerics is Numerics.DS4_CPU:
-        return ordered_sum([c[..., a: a + 1, :] for a in range(c.shape[-2])])
-    return mx.sum(c, axis=-2, keepdims=True)
-
-
-def weighted_streams(H: mx.array, w: mx.array, numerics: Numerics) -> mx.array:
-    """Σ_s w[:, s]·H[:, s]  ([T, n_hc, D], [T, n_hc] -> [T, D])."""
-    if numerics is Numerics.DS4_CPU:
-        return ordered_sum([H[:, s] * w[:, s: s + 1] for s in range(H.shape[1])])
-    return mx.sum(H * w[:, :, None], axis=1)
+from ds4_mlx.model.linear import DenseWeight
+from ds4_mlx.model.ops import DefaultOps
 
 
 class HyperConnection:
     """One HC mixer (``hc_attn_*`` or ``hc_ffn_*`` of a layer)."""
 
     def __init__(self, fn: DenseWeight, scale: mx.array, base: mx.array, n_hc: int, sinkhorn_iter: int,
-                 hc_eps: float, norm_eps: float):
-        self.fn, self.scale, self.base = fn, scale, base
+                 hc_eps: float, norm_eps: float, ops: DefaultOps):
+        self.fn, self.scale, self.base, self.ops = fn, scale, base, ops
         self.n_hc, self.iters, self.hc_eps, self.norm_eps = n_hc, sinkhorn_iter, hc_eps, norm_eps
 
-    def split(self, mix: mx.array, numerics: Numerics) -> tuple[mx.array, mx.array, mx.array]:
+    def split(self, mix: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """mix [T, 2n+n²] -> (pre [T, n], post [T, n], C [T, n, n])."""
-        n, eps = self.n_hc, self.hc_eps
+        n, eps, ops = self.n_hc, self.hc_eps, self.ops
         T = mix.shape[0]
-        pre = sigmoid_expf(mix[:, :n] * self.scale[0] + self.base[:n], numerics) + eps
-        z_post = mix[:, n: 2 * n] * self.scale[1] + self.base[n: 2 * n]
-        if numerics is Numerics.DS4_CPU:
-            post = 2.0 / (1.0 + exp(-z_post, numerics))  # ds4's formula: one rounding fewer than 2·σ(z)
-        else:
-            post = 2.0 * mx.sigmoid(z_post)
+        pre = ops.sigmoid_expf(mix[:, :n] * self.scale[0] + self.base[:n]) + eps
+        post = ops.post_gain(mix[:, n: 2 * n] * self.scale[1] + self.base[n: 2 * n])
 
         c = (mix[:, 2 * n:] * self.scale[2] + self.base[2 * n:]).reshape(T, n, n)
-        c = exp(c - mx.max(c, axis=-1, keepdims=True), numerics)
-        c = c * (1.0 / _row_sum(c, numerics)) + eps
-        c = c * (1.0 / (_col_sum(c, numerics) + eps))
+        c = ops.exp(c - mx.max(c, axis=-1, keepdims=True))
+        c = c * (1.0 / ops.small_sum(c, -1, keepdims=True)) + eps
+        c = c * (1.0 / (ops.small_sum(c, -2, keepdims=True) + eps))
         for _ in range(1, self.iters):
-            c = c * (1.0 / (_row_sum(c, numerics) + eps))
-            c = c * (1.0 / (_col_sum(c, numerics) + eps))
+            c = c * (1.0 / (ops.small_sum(c, -1, keepdims=True) + eps))
+            c = c * (1.0 / (ops.small_sum(c, -2, keepdims=True) + eps))
         return pre, post, c
 
-    def pre(self, H: mx.array, numerics: Numerics) -> tuple[mx.array, mx.array, mx.array]:
+    def pre(self, H: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """H [T, n, D] -> (sub-layer input x [T, D], post [T, n], C [T, n, n])."""
         T, n, D = H.shape
-        flat = rms_norm(H.reshape(T, n * D), None, self.norm_eps, numerics)
-        pre, post, comb = self.split(self.fn(flat, numerics), numerics)
-        return weighted_streams(H, pre, numerics), post, comb
+        ops = self.ops
+        flat = ops.rms_norm(H.reshape(T, n * D), None, self.norm_eps)
+        pre, post, comb = self.split(ops.linear(self.fn, flat))
+        return ops.weighted_streams(H, pre), post, comb
 
-    @staticmethod
-    def post(f: mx.array, H: mx.array, post: mx.array, comb: mx.array, numerics: Numerics) -> mx.array:
+    def post(self, f: mx.array, H: mx.array, post: mx.array, comb: mx.array) -> mx.array:
         """H'[d] = post[d]·f + Σ_s C[s][d]·H[s]   (f [T, D]) -> [T, n, D]."""
-        if numerics is Numerics.DS4_CPU:
-            n = H.shape[1]
-            out = [ordered_sum([f * post[:, d: d + 1]] + [comb[:, s, d: d + 1] * H[:, s] for s in range(n)])
-                   for d in range(n)]
-            return mx.stack(out, axis=1)
-        return post[:, :, None] * f[:, None, :] + mx.matmul(comb.transpose(0, 2, 1), H)
+        return self.ops.hc_post(f, H, post, comb)
 
 
 class OutputHC:
     """Final reduction of the streams before the output norm: y = Σ_s (σ(pre_s·scale + base_s) + eps)·H[s]."""
 
-    def __init__(self, fn: DenseWeight, scale: mx.array, base: mx.array, hc_eps: float, norm_eps: float):
+    def __init__(self, fn: DenseWeight, scale: mx.array, base: mx.array, hc_eps: float, norm_eps: float,
+                 ops: DefaultOps):
         self.fn, self.scale, self.base, self.hc_eps, self.norm_eps = fn, scale, base, hc_eps, norm_eps
+        self.ops = ops
 
-    def __call__(self, H: mx.array, numerics: Numerics) -> mx.array:
+    def __call__(self, H: mx.array) -> mx.array:
         T, n, D = H.shape
-        flat = rms_norm(H.reshape(T, n * D), None, self.norm_eps, numerics)
-        pre = self.fn(flat, numerics)
-        w = sigmoid_stable(pre * self.scale[0] + self.base, numerics) + self.hc_eps
-        return weighted_streams(H, w, numerics)
+        ops = self.ops
+        flat = ops.rms_norm(H.reshape(T, n * D), None, self.norm_eps)
+        pre = ops.linear(self.fn, flat)
+        w = ops.sigmoid_stable(pre * self.scale[0] + self.base) + self.hc_eps
+        return ops.weighted_streams(H, w)

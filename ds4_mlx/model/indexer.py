@@ -15,34 +15,30 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ds4_mlx.model.linear import DenseWeight, Numerics
-from ds4_mlx.model.numerics import indexer_qat, ordered_sum, sequential_sum
+from ds4_mlx.model.linear import DenseWeight
+from ds4_mlx.model.numerics import indexer_qat
+from ds4_mlx.model.ops import DefaultOps
 from ds4_mlx.model.rope import apply_rope
 
 
 class Indexer:
-    def __init__(self, q_b: DenseWeight, proj: DenseWeight, n_head: int, head_dim: int, top_k: int):
-        self.q_b, self.proj = q_b, proj
+    def __init__(self, q_b: DenseWeight, proj: DenseWeight, n_head: int, head_dim: int, top_k: int,
+                 ops: DefaultOps):
+        self.q_b, self.proj, self.ops = q_b, proj, ops
         self.n_head, self.head_dim, self.top_k = n_head, head_dim, top_k
         self.w_scale = float(np.float32(1.0) / np.sqrt(np.float32(head_dim * n_head)))
 
-    def queries(self, qn: mx.array, xn: mx.array, cos: mx.array, sin: mx.array,
-                numerics: Numerics) -> tuple[mx.array, mx.array]:
+    def queries(self, qn: mx.array, xn: mx.array, cos: mx.array, sin: mx.array) -> tuple[mx.array, mx.array]:
         """(qi [T, n_ih, 128] after RoPE + QAT, wi [T, n_ih]) for queries with tables [T, n_rot/2]."""
         T = qn.shape[0]
-        qi = self.q_b(qn, numerics).reshape(T, self.n_head, self.head_dim)
+        qi = self.ops.linear(self.q_b, qn).reshape(T, self.n_head, self.head_dim)
         qi = indexer_qat(apply_rope(qi, cos, sin))
-        wi = self.proj(xn, numerics) * self.w_scale
+        wi = self.ops.linear(self.proj, xn) * self.w_scale
         return qi, wi
 
-    def scores(self, qi: mx.array, wi: mx.array, rows: mx.array, numerics: Numerics) -> mx.array:
+    def scores(self, qi: mx.array, wi: mx.array, rows: mx.array) -> mx.array:
         """score[t, c] = Σ_h relu(qi[t,h]·rows[c])·wi[t,h]   -> [T, Nc]."""
-        if numerics is Numerics.DS4_CPU:
-            # Left-to-right float32 dots, then the heads added in order, as ds4's scoring loop.
-            dots = mx.maximum(sequential_sum(qi[:, :, :, None] * rows.T[None, None], axis=2), 0.0)
-            return ordered_sum([dots[:, h] * wi[:, h: h + 1] for h in range(self.n_head)])
-        dots = mx.maximum(mx.matmul(qi, rows.T), 0.0)  # [T, n_ih, Nc]
-        return mx.sum(dots * wi[:, :, None], axis=1)
+        return self.ops.indexer_scores(qi, wi, rows)
 
     def select(self, scores: mx.array, n_visible: np.ndarray) -> np.ndarray:
         """Per query: the top_k visible rows (ties -> lower index), ascending; int32 [T, top_k].

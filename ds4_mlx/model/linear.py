@@ -2,12 +2,15 @@
 
 Interface (the architecture code uses only this):
 
-    Numerics.DEFAULT / Numerics.DS4_CPU
+    Numerics.DEFAULT / Numerics.DS4_CPU                (defined in ``ops``, re-exported here)
     w = DenseWeight.from_gguf(gguf_file, name)        # 2-D (out, in): Q8_0, F16 or F32
     y = w(x, numerics)                                 # x [..., in] float32 -> [..., out] float32
     w.rows(start, stop)                                # a DenseWeight over a slice of output rows
-    e = ExpertWeights.from_gguf(gguf_file, name)       # 3-D (n_expert, out, in): IQ2_XXS/Q2_K/Q4_K
+    e = experts.ExpertWeights.from_gguf(gguf_file, name)  # 3-D (n_expert, out, in): IQ2_XXS/Q2_K/Q4_K
     y = e(x, ids, numerics)                            # x [T, k|1, in], ids [T, k] int -> [T, k, out]
+
+The architecture code does not call these with a mode: it calls ``ops.linear(w, x)`` /
+``ops.experts(e, x, ids)`` on the ``Ops`` object bound at load (``ops.py``), which passes its mode.
 
 Additions to that contract (all optional): ``backend=`` on both constructors (below); ``use_kernels=``
 (DenseWeight: opt-in raw-block Q8_0 kernel on Metal; ExpertWeights: default on when Metal is available);
@@ -52,11 +55,12 @@ from ds4_mlx.errors import LayoutError
 from ds4_mlx.formats.ggml_types import GGMLType
 from ds4_mlx.formats.quants import dequantize_rows
 from ds4_mlx.formats.quants_mlx import quantize_q8_0_activation_mlx
+from ds4_mlx.model import metal_kernels
+from ds4_mlx.model.ops import DS4_CHUNK_ELEMENTS, Numerics, as_numerics, chunks
 
 __all__ = [
     "Backend",
     "DenseWeight",
-    "ExpertWeights",
     "Numerics",
     "default_backend",
     "q8_0_to_affine",
@@ -64,18 +68,6 @@ __all__ = [
 ]
 
 QK8_0 = 32
-
-# Upper bound on the elements of one temporary in the DS4_CPU paths (float32: 32 MiB). Work is split
-# into token (or expert-pair) chunks below it so an 800-token prefill never builds GiB-sized block sums.
-_DS4_CHUNK_ELEMENTS = 1 << 23
-
-
-class Numerics(str, Enum):
-    """Which arithmetic a matmul uses."""
-
-    DEFAULT = "default"  # float activations x dequantized weights (the fast path)
-    DS4_CPU = "ds4-cpu"  # ds4.c's CPU reference arithmetic (quantized activations, integer block sums)
-
 
 class Backend(str, Enum):
     """Where the DEFAULT fast path runs, which decides how weights are stored."""
@@ -96,10 +88,6 @@ def resolve_backend(backend: "Backend | str | None") -> Backend:
     if backend is None:
         return default_backend()
     return Backend(backend)
-
-
-def _numerics(numerics: "Numerics | str") -> Numerics:
-    return numerics if isinstance(numerics, Numerics) else Numerics(numerics)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -158,12 +146,6 @@ def _sequential_outer_sum(w_cols: mx.array, x2: mx.array) -> mx.array:
         if i % 1024 == 1023:
             mx.eval(acc)  # keeps the lazy graph short
     return acc
-
-
-def _chunks(n: int, step: int):
-    step = max(1, step)
-    for a in range(0, n, step):
-        yield a, min(n, a + step)
 
 
 class DenseWeight:
@@ -304,7 +286,7 @@ class DenseWeight:
         x2 = x.reshape(-1, n_in)
         if x2.dtype != mx.float32:
             x2 = x2.astype(mx.float32)
-        if _numerics(numerics) is Numerics.DS4_CPU:
+        if as_numerics(numerics) is Numerics.DS4_CPU:
             with mx.stream(mx.cpu):
                 y = self._ds4_matmul(x2)
         else:
@@ -313,8 +295,6 @@ class DenseWeight:
 
     def _fast_matmul(self, x2: mx.array) -> mx.array:
         if self.backend is Backend.METAL and self.qtype == GGMLType.Q8_0 and self.use_kernels:
-            from ds4_mlx.model import metal_kernels
-
             return metal_kernels.q8_0_matvec_kernel(self.blocks(), x2)
         if self.backend is Backend.METAL and self.qtype == GGMLType.Q8_0:
             wq, scales, biases = self.affine()
@@ -336,9 +316,9 @@ class DenseWeight:
         T = x2.shape[0]
         xq3 = xq.astype(mx.float32).reshape(T, nb, QK8_0).transpose(1, 0, 2)  # [nb, T, 32]
         # tokens per chunk so the block sums [nb, t, out] stay below the temporary bound
-        t_step = max(1, _DS4_CHUNK_ELEMENTS // (nb * out_dim))
+        t_step = max(1, DS4_CHUNK_ELEMENTS // (nb * out_dim))
         pieces = []
-        for t0, t1 in _chunks(T, t_step):
+        for t0, t1 in chunks(T, t_step):
             # integer block sums: |partial sums| <= 32 * 128 * 128 = 2**19 < 2**24, exact in any order
             isum = mx.matmul(xq3[:, t0:t1], wq)  # [nb, t, out]
             xs = xd[t0:t1]
@@ -360,12 +340,3 @@ class DenseWeight:
 
     def __repr__(self) -> str:
         return f"DenseWeight({self.name!r}, {self.qtype.name}, shape={self.shape}, backend={self.backend.value})"
-
-
-def __getattr__(name: str):
-    # ExpertWeights lives in experts.py (which imports this module); re-exported lazily to avoid a cycle.
-    if name == "ExpertWeights":
-        from ds4_mlx.model.experts import ExpertWeights
-
-        return ExpertWeights
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,22 +15,20 @@ import numpy as np
 from ds4_mlx.errors import LayoutError
 from ds4_mlx.formats.config import ModelConfig
 from ds4_mlx.formats.gguf import GGUFFile
+from ds4_mlx.formats.layout import load_model_file
 from ds4_mlx.model.attention import Attention
 from ds4_mlx.model.compressor import Compressor
+from ds4_mlx.model.experts import ExpertWeights
 from ds4_mlx.model.hyper_connection import HyperConnection, OutputHC
 from ds4_mlx.model.indexer import Indexer
-from ds4_mlx.model.linear import DenseWeight, ExpertWeights, Numerics
+from ds4_mlx.model.linear import DenseWeight
 from ds4_mlx.model.moe import MoE
+from ds4_mlx.model.ops import DefaultOps, Numerics, ops_for
 from ds4_mlx.model.rope import Rope
 from ds4_mlx.model.transformer import Block, Model
 
 
 def _open(path: str | os.PathLike) -> tuple[GGUFFile, ModelConfig]:
-    try:
-        from ds4_mlx.formats.layout import load_model_file
-    except ImportError:  # layout validation not available: config checks only
-        f = GGUFFile(path)
-        return f, ModelConfig.from_metadata(f.metadata, source=str(path))
     f, cfg, _report = load_model_file(path)
     return f, cfg
 
@@ -74,7 +72,7 @@ class _Weights:
         return ExpertWeights.from_gguf(self.f, name, **self.kw)
 
 
-def _block(cfg: ModelConfig, w: _Weights, il: int) -> Block:
+def _block(cfg: ModelConfig, w: _Weights, il: int, ops: DefaultOps) -> Block:
     p = f"blk.{il}."
     eps, n_hc = cfg.rms_eps, cfg.n_hc
     ratio = cfg.compress_ratio(il)
@@ -82,25 +80,25 @@ def _block(cfg: ModelConfig, w: _Weights, il: int) -> Block:
     def hc(kind: str) -> HyperConnection:
         return HyperConnection(w.dense(f"{p}hc_{kind}_fn.weight"), w.f32(f"{p}hc_{kind}_scale.weight", (3,)),
                                w.f32(f"{p}hc_{kind}_base.weight", (cfg.hc_mix,)), n_hc, cfg.hc_sinkhorn_iter,
-                               cfg.hc_eps, eps)
+                               cfg.hc_eps, eps, ops)
 
     rope = Rope(cfg, il)
     compressor = index_compressor = indexer = None
     if ratio:
-        coff = 2 if ratio == 4 else 1
+        coff = cfg.coff(il)
         compressor = Compressor(w.dense(f"{p}attn_compressor_kv.weight"), w.dense(f"{p}attn_compressor_gate.weight"),
                                 w.f32(f"{p}attn_compressor_ape.weight", (ratio, coff * cfg.head_dim)),
                                 w.f32(f"{p}attn_compressor_norm.weight", (cfg.head_dim,)),
-                                ratio, cfg.head_dim, rope, cfg.n_nope, eps)
+                                ratio, cfg.head_dim, rope, cfg.n_nope, eps, coff, ops)
     if ratio == 4:
         di = cfg.indexer_head_dim
         index_compressor = Compressor(w.dense(f"{p}indexer_compressor_kv.weight"),
                                       w.dense(f"{p}indexer_compressor_gate.weight"),
-                                      w.f32(f"{p}indexer_compressor_ape.weight", (4, 2 * di)),
+                                      w.f32(f"{p}indexer_compressor_ape.weight", (4, coff * di)),
                                       w.f32(f"{p}indexer_compressor_norm.weight", (di,)),
-                                      4, di, rope, None, eps)
+                                      4, di, rope, None, eps, coff, ops)
         indexer = Indexer(w.dense(f"{p}indexer.attn_q_b.weight"), w.dense(f"{p}indexer.proj.weight"),
-                          cfg.n_indexer_head, di, cfg.indexer_top_k)
+                          cfg.n_indexer_head, di, cfg.indexer_top_k, ops)
 
     attn = Attention(cfg, il,
                      attn_norm=w.f32(f"{p}attn_norm.weight", (cfg.n_embd,)),
@@ -112,7 +110,7 @@ def _block(cfg: ModelConfig, w: _Weights, il: int) -> Block:
                      sinks=w.f32(f"{p}attn_sinks.weight", (cfg.n_head,)),
                      out_a=w.dense(f"{p}attn_output_a.weight"),
                      out_b=w.dense(f"{p}attn_output_b.weight"),
-                     compressor=compressor, index_compressor=index_compressor, indexer=indexer)
+                     compressor=compressor, index_compressor=index_compressor, indexer=indexer, ops=ops)
 
     tid2eid = None
     if cfg.is_hash_layer(il):
@@ -129,7 +127,8 @@ def _block(cfg: ModelConfig, w: _Weights, il: int) -> Block:
               down_exps=w.experts(f"{p}ffn_down_exps.weight"),
               gate_sh=w.dense(f"{p}ffn_gate_shexp.weight"), up_sh=w.dense(f"{p}ffn_up_shexp.weight"),
               down_sh=w.dense(f"{p}ffn_down_shexp.weight"),
-              n_used=cfg.n_expert_used, weight_scale=cfg.expert_weights_scale, clamp=cfg.swiglu_clamp[il], eps=eps)
+              n_used=cfg.n_expert_used, weight_scale=cfg.expert_weights_scale, clamp=cfg.swiglu_clamp[il], eps=eps,
+              ops=ops)
     return Block(il, hc("attn"), attn, hc("ffn"), ffn)
 
 
@@ -159,9 +158,10 @@ def _build(f: GGUFFile, cfg: ModelConfig, mode: Numerics, backend: str | None) -
     if embedding.dtype != np.float16 or embedding.shape != (cfg.n_vocab, cfg.n_embd):
         raise LayoutError(f"{f.path}: {emb_name} must be F16 of shape {(cfg.n_vocab, cfg.n_embd)}, "
                           f"found {embedding.dtype} {embedding.shape}")
-    blocks = [_block(cfg, w, il) for il in range(cfg.n_layer)]
+    ops = ops_for(mode)  # the numerics, bound once: every module gets this object
+    blocks = [_block(cfg, w, il, ops) for il in range(cfg.n_layer)]
     output_hc = OutputHC(w.dense("output_hc_fn.weight"), w.f32("output_hc_scale.weight", (1,)),
-                         w.f32("output_hc_base.weight", (cfg.n_hc,)), cfg.hc_eps, cfg.rms_eps)
-    return Model(cfg, mode, embedding=embedding, blocks=blocks, output_hc=output_hc,
+                         w.f32("output_hc_base.weight", (cfg.n_hc,)), cfg.hc_eps, cfg.rms_eps, ops)
+    return Model(cfg, ops, embedding=embedding, blocks=blocks, output_hc=output_hc,
                  output_norm=w.f32("output_norm.weight", (cfg.n_embd,)), output=w.dense("output.weight"),
                  source=f)

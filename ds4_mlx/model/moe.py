@@ -14,8 +14,9 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ds4_mlx.model.linear import DenseWeight, ExpertWeights, Numerics
-from ds4_mlx.model.numerics import ordered_sum, rms_norm, silu, softplus
+from ds4_mlx.model.experts import ExpertWeights
+from ds4_mlx.model.linear import DenseWeight
+from ds4_mlx.model.ops import DefaultOps
 
 ROUTER_SUM_FLOOR = 6.103515625e-5  # 2^-14
 
@@ -24,20 +25,21 @@ class MoE:
     def __init__(self, *, ffn_norm: mx.array, router: DenseWeight, bias: mx.array | None,
                  tid2eid: np.ndarray | None, gate_exps: ExpertWeights, up_exps: ExpertWeights,
                  down_exps: ExpertWeights, gate_sh: DenseWeight, up_sh: DenseWeight, down_sh: DenseWeight,
-                 n_used: int, weight_scale: float, clamp: float, eps: float):
+                 n_used: int, weight_scale: float, clamp: float, eps: float, ops: DefaultOps):
         self.ffn_norm, self.router, self.bias, self.tid2eid = ffn_norm, router, bias, tid2eid
         self.gate_exps, self.up_exps, self.down_exps = gate_exps, up_exps, down_exps
         self.gate_sh, self.up_sh, self.down_sh = gate_sh, up_sh, down_sh
         self.n_used, self.weight_scale, self.clamp, self.eps = n_used, weight_scale, clamp, eps
+        self.ops = ops
 
-    def _swiglu(self, gate: mx.array, up: mx.array, numerics: Numerics) -> mx.array:
+    def _swiglu(self, gate: mx.array, up: mx.array) -> mx.array:
         c = self.clamp
-        return silu(mx.minimum(gate, c), numerics) * mx.clip(up, -c, c)
+        return self.ops.silu(mx.minimum(gate, c)) * mx.clip(up, -c, c)
 
-    def router_scores(self, xn: mx.array, numerics: Numerics) -> tuple[mx.array, mx.array | None]:
+    def router_scores(self, xn: mx.array) -> tuple[mx.array, mx.array | None]:
         """(prob = sqrt(softplus(W_router·xn)) [T, n_expert], the selection score prob + bias, or
         None for hash layers, which select by token id)."""
-        prob = mx.sqrt(softplus(self.router(xn, numerics), numerics))
+        prob = mx.sqrt(self.ops.softplus(self.ops.linear(self.router, xn)))
         if self.tid2eid is not None:
             return prob, None
         return prob, (prob if self.bias is None else prob + self.bias)
@@ -51,42 +53,35 @@ class MoE:
             sel = np.argsort(-np.array(choice, dtype=np.float32), axis=1, kind="stable")[:, : self.n_used]
         return np.ascontiguousarray(sel, dtype=np.int32)
 
-    def route_weights(self, prob: mx.array, sel: np.ndarray, numerics: Numerics) -> mx.array:
+    def route_weights(self, prob: mx.array, sel: np.ndarray) -> mx.array:
         """w_i = prob[sel_i] / max(Σ prob[sel], 2^-14) · scale   [T, k]."""
         w = mx.take_along_axis(prob, mx.array(sel), axis=1)
-        if numerics is Numerics.DS4_CPU:
-            total = ordered_sum([w[:, i: i + 1] for i in range(self.n_used)])
-        else:
-            total = mx.sum(w, axis=1, keepdims=True)
+        total = self.ops.small_sum(w, 1, keepdims=True)
         return w / mx.maximum(total, ROUTER_SUM_FLOOR) * self.weight_scale
 
-    def route(self, xn: mx.array, tokens: np.ndarray, numerics: Numerics) -> tuple[np.ndarray, mx.array]:
+    def route(self, xn: mx.array, tokens: np.ndarray) -> tuple[np.ndarray, mx.array]:
         """(selected expert ids int32 [T, k], their weights [T, k])."""
-        prob, choice = self.router_scores(xn, numerics)
+        prob, choice = self.router_scores(xn)
         sel = self.select(choice, tokens)
-        return sel, self.route_weights(prob, sel, numerics)
+        return sel, self.route_weights(prob, sel)
 
-    def routed_experts(self, xn: mx.array, sel: np.ndarray, w: mx.array, numerics: Numerics) -> mx.array:
+    def routed_experts(self, xn: mx.array, sel: np.ndarray, w: mx.array) -> mx.array:
         """Per selected expert: down_i·(swiglu(gate_i·xn, up_i·xn)·w_i)   -> [T, k, n_embd]."""
-        xe = xn[:, None, :]
-        mid = self._swiglu(self.gate_exps(xe, sel, numerics), self.up_exps(xe, sel, numerics), numerics)
-        return self.down_exps(mid * w[:, :, None], sel, numerics)
+        ops, xe = self.ops, xn[:, None, :]
+        mid = self._swiglu(ops.experts(self.gate_exps, xe, sel), ops.experts(self.up_exps, xe, sel))
+        return ops.experts(self.down_exps, mid * w[:, :, None], sel)
 
-    def shared_expert(self, xn: mx.array, numerics: Numerics) -> mx.array:
-        return self.down_sh(self._swiglu(self.gate_sh(xn, numerics), self.up_sh(xn, numerics), numerics),
-                            numerics)
+    def shared_expert(self, xn: mx.array) -> mx.array:
+        ops = self.ops
+        return ops.linear(self.down_sh, self._swiglu(ops.linear(self.gate_sh, xn), ops.linear(self.up_sh, xn)))
 
-    def combine(self, down: mx.array, shared: mx.array, numerics: Numerics) -> mx.array:
+    def combine(self, down: mx.array, shared: mx.array) -> mx.array:
         """Σ_i down[:, i] + shared."""
-        if numerics is Numerics.DS4_CPU:
-            routed = ordered_sum([down[:, i] for i in range(self.n_used)])
-        else:
-            routed = mx.sum(down, axis=1)
-        return routed + shared
+        return self.ops.small_sum(down, 1) + shared
 
-    def __call__(self, x: mx.array, tokens: np.ndarray, numerics: Numerics) -> mx.array:
+    def __call__(self, x: mx.array, tokens: np.ndarray) -> mx.array:
         """x [T, n_embd] (HC-reduced), tokens [T] (this position's input ids) -> f [T, n_embd]."""
-        xn = rms_norm(x, self.ffn_norm, self.eps, numerics)
-        sel, w = self.route(xn, tokens, numerics)
-        down = self.routed_experts(xn, sel, w, numerics)  # [T, k, n_embd]
-        return self.combine(down, self.shared_expert(xn, numerics), numerics)
+        xn = self.ops.rms_norm(x, self.ffn_norm, self.eps)
+        sel, w = self.route(xn, tokens)
+        down = self.routed_experts(xn, sel, w)  # [T, k, n_embd]
+        return self.combine(down, self.shared_expert(xn))

@@ -6,12 +6,10 @@ MLX arrays and are exact where ds4 is exact: the low-precision roundings are com
 float32 bit pattern (exponent field) and a round-half-to-even on an exactly scaled value, so they
 agree bit for bit with ds4's table search, ties included.
 
-``Numerics.DS4_CPU`` reproduces ds4's CPU arithmetic where the order of operations or the libm
-shows in the result: RMSNorm sums x² in float64 (then rounds to float32 before the epsilon, as
-ds4 does), expf is glibc's algorithm evaluated step by step (ds4's oracle ran on glibc; MLX's own
-exp is a fast approximation), the sigmoids are ds4's formulas, and sums ds4 writes as loops run
-in its order (``ordered_sum``, ``sequential_sum``). ``Numerics.DEFAULT`` uses MLX's fused kernels.
-Both modes take log1pf / log2f from MLX's CPU kernels, which call the C library like ds4 does.
+Also the exact building blocks of the ds4-cpu mode: glibc's expf evaluated step by step (ds4's
+oracle ran on glibc; MLX's own exp is a fast approximation) and sums in a fixed order
+(``ordered_sum``, ``sequential_sum``). Which mode uses what is decided in ``ops`` only; nothing here
+takes a mode. log2f comes from MLX's CPU kernel, which calls the C library like ds4 does.
 """
 
 from __future__ import annotations
@@ -22,8 +20,6 @@ from decimal import Decimal, localcontext
 
 import mlx.core as mx
 import numpy as np
-
-from ds4_mlx.model.linear import Numerics
 
 # ds4's "empty" compressor score (CPU init); anything at or below half of it counts as empty.
 EMPTY_SCORE = -1.0e30
@@ -115,18 +111,6 @@ def indexer_qat(x: mx.array) -> mx.array:
     return fp4_e2m1_round(hadamard128(x))
 
 
-def rms_norm(x: mx.array, weight: mx.array | None, eps: float, numerics: Numerics) -> mx.array:
-    """x · (mean(x²) + eps)^-1/2 (· weight) over the last axis."""
-    if numerics is Numerics.DS4_CPU:
-        # ds4: Σx² in double, mean rounded to float, then 1/sqrtf(mean + eps) and (x·scale)·w.
-        ss = mx.sum(mx.square(x.astype(mx.float64)), axis=-1, keepdims=True)
-        mean = (ss / x.shape[-1]).astype(mx.float32)
-        scale = 1.0 / mx.sqrt(mean + eps)
-        y = x * scale
-        return y if weight is None else y * weight
-    return mx.fast.rms_norm(x, weight, eps)
-
-
 # glibc's expf (2.27+, the algorithm of ARM's optimized-routines): e^x = 2^(k/32) · 2^(r/32) with a
 # 32-entry table and a cubic, all in double, rounded to float once. ds4's oracle ran on glibc, and
 # its softmax / pooling / sigmoid weights depend on the last bit of every expf, so DS4_CPU
@@ -169,46 +153,6 @@ def expf_glibc(x: mx.array) -> mx.array:
     y = (y * scale).astype(mx.float32)
     y = mx.where(x > _EXPF_OVERFLOW, mx.inf, y)
     return mx.where(x < _EXPF_UNDERFLOW, 0.0, y)
-
-
-def exp(x: mx.array, numerics: Numerics) -> mx.array:
-    """e^x of float32 x: glibc's expf bit for bit in DS4_CPU mode, MLX's (faster, ~1e-6
-    relative) exp otherwise."""
-    if numerics is Numerics.DS4_CPU:
-        return expf_glibc(x)
-    return mx.exp(x)
-
-
-def log1p(x: mx.array, numerics: Numerics) -> mx.array:
-    """log(1+x) of float32 x. MLX's CPU float32 log1p is the C library's log1pf, which is what ds4
-    calls (glibc's is not correctly rounded, and the oracle's router weights show it), so both
-    modes use it."""
-    return mx.log1p(x)
-
-
-def sigmoid_expf(z: mx.array, numerics: Numerics) -> mx.array:
-    """1/(1+e^-z) as ds4's hyper-connection split writes it."""
-    if numerics is Numerics.DS4_CPU:
-        return 1.0 / (1.0 + exp(-z, numerics))
-    return mx.sigmoid(z)
-
-
-def sigmoid_stable(z: mx.array, numerics: Numerics) -> mx.array:
-    """ds4's two-branch sigmoid (used by SiLU and the output HC)."""
-    if numerics is Numerics.DS4_CPU:
-        e = exp(-mx.abs(z), numerics)
-        return mx.where(z >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
-    return mx.sigmoid(z)
-
-
-def silu(x: mx.array, numerics: Numerics) -> mx.array:
-    return x * sigmoid_stable(x, numerics)
-
-
-def softplus(x: mx.array, numerics: Numerics) -> mx.array:
-    """ds4's softplus_stable: identity above 20, exp below -20, log1p(exp) between."""
-    e = exp(mx.minimum(x, 20.0), numerics)
-    return mx.where(x > 20.0, x, mx.where(x < -20.0, e, log1p(e, numerics)))
 
 
 def sequential_sum(x: mx.array, axis: int = -1) -> mx.array:

@@ -19,7 +19,6 @@ import mlx.core as mx
 import numpy as np
 
 from ds4_mlx.formats.config import ModelConfig
-from ds4_mlx.model.linear import Numerics
 
 f32 = np.float32
 
@@ -68,15 +67,15 @@ class Rope:
         return out
 
     def tables(self, positions: np.ndarray, inverse: bool = False,
-               numerics: Numerics = Numerics.DEFAULT) -> tuple[mx.array, mx.array]:
+               libm: bool = False) -> tuple[mx.array, mx.array]:
         """(cos, sin) float32 MLX arrays [len(positions), n_rot/2]; inverse negates sin.
 
-        DEFAULT: correctly rounded float32 cos/sin of the float32 angle. DS4_CPU: the C library's
+        Default: correctly rounded float32 cos/sin of the float32 angle. ``libm`` (ds4-cpu ops): the C library's
         cosf/sinf, as ds4 calls them (glibc's are within 0.56 ulp, so ~1 % of values differ from
         the correctly rounded ones; falls back to those when no C math library can be loaded).
         """
         positions = np.asarray(positions, dtype=np.int64)
-        if numerics is Numerics.DS4_CPU and _libm_trig() is not None:
+        if libm and _libm_trig() is not None:
             c, s = self._libm_rows(positions)
         else:
             th = self.angles(positions).astype(np.float64)

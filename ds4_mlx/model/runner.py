@@ -26,7 +26,6 @@ import numpy as np
 
 from ds4_mlx import allocator
 from ds4_mlx.model.decode_cache import DecodeCache
-from ds4_mlx.model.linear import Numerics
 from ds4_mlx.model.state import InferenceError, ModelState
 
 
@@ -49,7 +48,7 @@ class Runner:
         self.ctx = ctx if ctx is not None else cfg.context_length
         self.chunk = chunk
         want = _compile_default() if compile is None else bool(compile)
-        self.compiled = want and model.numerics is Numerics.DEFAULT
+        self.compiled = want and model.ops.compilable
         # The live state is held as a ModelState, a DecodeCache, or both (the ModelState being the
         # cache's exact conversion); at least one is set.
         self._state: ModelState | None = ModelState.empty(cfg)

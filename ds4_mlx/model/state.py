@@ -26,6 +26,46 @@ from ds4_mlx.formats.config import ModelConfig
 from ds4_mlx.model.numerics import EMPTY_SCORE
 
 
+LANES = ("raw", "attn", "index")
+FIELDS = ("rows", "kst", "gst")
+
+
+@dataclass(frozen=True)
+class StateArray:
+    """One array of the state after ``n`` tokens: layer, lane (``LANES``), field (``FIELDS``; the raw
+    lane has only its rows) and shape. ``state_layout`` is the one description of the state's layout:
+    ``ModelState`` (de)serialisation and the payload format (``engine/payload.py``) walk it."""
+
+    layer: int
+    lane: int
+    field: int
+    shape: tuple[int, int]
+
+    @property
+    def key(self) -> str:
+        """The ``ModelState.to_numpy`` key of this array."""
+        if self.lane == 0:
+            return f"layer.{self.layer}.raw"
+        return f"layer.{self.layer}.{LANES[self.lane]}.{FIELDS[self.field]}"
+
+
+def state_layout(cfg: ModelConfig, n_tokens: int) -> list[StateArray]:
+    """Every array of the state after ``n_tokens`` tokens, in order (layer by layer: raw, then the
+    attention lane's rows / kst / gst, then the indexer lane's), with its shape (module docstring)."""
+    out = []
+    for il in range(cfg.n_layer):
+        r, coff = cfg.compress_ratio(il), cfg.coff(il)
+        out.append(StateArray(il, 0, 0, (min(n_tokens, cfg.n_swa), cfg.head_dim)))
+        lanes = [(1, cfg.head_dim)] if r else []
+        if r == 4:
+            lanes.append((2, cfg.indexer_head_dim))
+        for lane, dim in lanes:
+            out.append(StateArray(il, lane, 0, (n_tokens // r, dim)))
+            out.append(StateArray(il, lane, 1, (coff * r, coff * dim)))
+            out.append(StateArray(il, lane, 2, (coff * r, coff * dim)))
+    return out
+
+
 @dataclass
 class CompressorState:
     rows: mx.array  # [n_rows, dim]
@@ -33,8 +73,8 @@ class CompressorState:
     gst: mx.array  # [coff·ratio, coff·dim]
 
     @classmethod
-    def empty(cls, ratio: int, dim: int) -> "CompressorState":
-        coff = 2 if ratio == 4 else 1
+    def empty(cls, ratio: int, dim: int, coff: int) -> "CompressorState":
+        """No rows, the canonical empty frontier; ``coff`` = ``ModelConfig.coff`` of the layer."""
         shape = (coff * ratio, coff * dim)
         return cls(mx.zeros((0, dim), dtype=mx.float32), mx.zeros(shape, dtype=mx.float32),
                    mx.full(shape, EMPTY_SCORE, dtype=mx.float32))
@@ -65,8 +105,8 @@ class ModelState:
             r = cfg.compress_ratio(il)
             layers.append(LayerState(
                 raw=mx.zeros((0, cfg.head_dim), dtype=mx.float32),
-                attn=CompressorState.empty(r, cfg.head_dim) if r else None,
-                index=CompressorState.empty(r, cfg.indexer_head_dim) if r == 4 else None,
+                attn=CompressorState.empty(r, cfg.head_dim, cfg.coff(il)) if r else None,
+                index=CompressorState.empty(r, cfg.indexer_head_dim, cfg.coff(il)) if r == 4 else None,
             ))
         return cls(0, layers)
 
@@ -76,54 +116,56 @@ class ModelState:
             return None if c is None else CompressorState(c.rows, c.kst, c.gst)
         return ModelState(self.n_tokens, [LayerState(l.raw, cc(l.attn), cc(l.index)) for l in self.layers])
 
+    def _array(self, spec: StateArray) -> mx.array:
+        layer = self.layers[spec.layer]
+        if spec.lane == 0:
+            return layer.raw
+        lane = layer.attn if spec.lane == 1 else layer.index
+        if lane is None:
+            raise InferenceError(f"model state: layer {spec.layer} has no {LANES[spec.lane]} lane")
+        return getattr(lane, FIELDS[spec.field])
+
     def arrays(self) -> list[mx.array]:
-        out = []
-        for l in self.layers:
-            out.append(l.raw)
-            for c in (l.attn, l.index):
-                if c is not None:
-                    out += [c.rows, c.kst, c.gst]
-        return out
+        """The state's arrays in ``state_layout`` order."""
+        return [self._array(spec) for spec in state_layout_of(self)]
 
     def to_numpy(self) -> dict[str, np.ndarray]:
         """Flat dict of float32 arrays (plus ``n_tokens``), keys ``layer.{il}.{raw|attn.rows|…}``."""
         d: dict[str, np.ndarray] = {"n_tokens": np.array(self.n_tokens, dtype=np.int64)}
-        for il, l in enumerate(self.layers):
-            d[f"layer.{il}.raw"] = np.array(l.raw, dtype=np.float32)
-            for lane, c in (("attn", l.attn), ("index", l.index)):
-                if c is not None:
-                    for k in ("rows", "kst", "gst"):
-                        d[f"layer.{il}.{lane}.{k}"] = np.array(getattr(c, k), dtype=np.float32)
+        for spec in state_layout_of(self):
+            d[spec.key] = np.array(self._array(spec), dtype=np.float32)
         return d
 
     @classmethod
     def from_numpy(cls, cfg: ModelConfig, d: dict[str, np.ndarray]) -> "ModelState":
-        """Inverse of ``to_numpy``; checks every shape against the config."""
-        def get(key: str, shape: tuple[int | None, ...]) -> mx.array:
-            if key not in d:
-                raise InferenceError(f"model state: array {key!r} is missing")
-            a = np.asarray(d[key])
-            if a.ndim != len(shape) or any(s is not None and s != a.shape[i] for i, s in enumerate(shape)):
-                raise InferenceError(f"model state: {key!r} has shape {a.shape}, expected {shape}")
-            return mx.array(a.astype(np.float32, copy=False))
-
+        """Inverse of ``to_numpy``; checks every shape against the config (``state_layout``)."""
         if "n_tokens" not in d:
             raise InferenceError("model state: 'n_tokens' is missing")
         n = int(np.asarray(d["n_tokens"]))
         if n < 0:
             raise InferenceError(f"model state: n_tokens is {n}")
+        got: dict[tuple[int, int, int], mx.array] = {}
+        for spec in state_layout(cfg, n):
+            if spec.key not in d:
+                raise InferenceError(f"model state: array {spec.key!r} is missing")
+            a = np.asarray(d[spec.key])
+            if a.shape != spec.shape:
+                raise InferenceError(f"model state: {spec.key!r} has shape {a.shape}, expected {spec.shape}")
+            got[spec.layer, spec.lane, spec.field] = mx.array(a.astype(np.float32, copy=False))
         layers = []
         for il in range(cfg.n_layer):
-            r = cfg.compress_ratio(il)
-            raw = get(f"layer.{il}.raw", (min(n, cfg.n_swa), cfg.head_dim))
-            lanes: dict[str, CompressorState | None] = {"attn": None, "index": None}
-            for lane, dim, on in (("attn", cfg.head_dim, r > 0), ("index", cfg.indexer_head_dim, r == 4)):
-                if not on:
-                    continue
-                coff = 2 if r == 4 else 1
-                fshape = (coff * r, coff * dim)
-                lanes[lane] = CompressorState(get(f"layer.{il}.{lane}.rows", (n // r, dim)),
-                                              get(f"layer.{il}.{lane}.kst", fshape),
-                                              get(f"layer.{il}.{lane}.gst", fshape))
-            layers.append(LayerState(raw, lanes["attn"], lanes["index"]))
+            lanes = [CompressorState(*(got[il, lane, f] for f in range(3))) if (il, lane, 0) in got else None
+                     for lane in (1, 2)]
+            layers.append(LayerState(got[il, 0, 0], *lanes))
         return cls(n, layers)
+
+
+def state_layout_of(state: ModelState) -> list[StateArray]:
+    """``state_layout`` of a state as it is (its lanes and shapes; no config needed)."""
+    out = []
+    for il, layer in enumerate(state.layers):
+        out.append(StateArray(il, 0, 0, tuple(layer.raw.shape)))
+        for lane, c in ((1, layer.attn), (2, layer.index)):
+            if c is not None:
+                out += [StateArray(il, lane, f, tuple(getattr(c, FIELDS[f]).shape)) for f in range(3)]
+    return out

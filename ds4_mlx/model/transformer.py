@@ -20,11 +20,13 @@ from ds4_mlx import allocator
 from ds4_mlx.errors import NonFiniteError
 from ds4_mlx.formats.config import ModelConfig
 from ds4_mlx.model.attention import Attention
+from ds4_mlx.model.compiled_decode import CompiledDecoder
 from ds4_mlx.model.decode_cache import DecodeCache
 from ds4_mlx.model.hyper_connection import HyperConnection, OutputHC
-from ds4_mlx.model.linear import DenseWeight, Numerics
+from ds4_mlx.model.linear import DenseWeight
 from ds4_mlx.model.moe import MoE
-from ds4_mlx.model.numerics import rms_norm
+from ds4_mlx.model.ops import DefaultOps, Numerics
+from ds4_mlx.model.runner import Runner
 from ds4_mlx.model.state import LayerState, ModelState
 
 
@@ -34,32 +36,35 @@ class Block:
     def __init__(self, il: int, hc_attn: HyperConnection, attn: Attention, hc_ffn: HyperConnection, ffn: MoE):
         self.il, self.hc_attn, self.attn, self.hc_ffn, self.ffn = il, hc_attn, attn, hc_ffn, ffn
 
-    def attention_part(self, H: mx.array, p0: int, state: LayerState,
-                       numerics: Numerics) -> tuple[mx.array, LayerState]:
-        x, post, comb = self.hc_attn.pre(H, numerics)
-        a, state = self.attn(x, p0, state, numerics)
-        return HyperConnection.post(a, H, post, comb, numerics), state
+    def attention_part(self, H: mx.array, p0: int, state: LayerState) -> tuple[mx.array, LayerState]:
+        x, post, comb = self.hc_attn.pre(H)
+        a, state = self.attn(x, p0, state)
+        return self.hc_attn.post(a, H, post, comb), state
 
-    def ffn_part(self, H: mx.array, tokens: np.ndarray, numerics: Numerics) -> mx.array:
-        x, post, comb = self.hc_ffn.pre(H, numerics)
-        f = self.ffn(x, tokens, numerics)
-        return HyperConnection.post(f, H, post, comb, numerics)
+    def ffn_part(self, H: mx.array, tokens: np.ndarray) -> mx.array:
+        x, post, comb = self.hc_ffn.pre(H)
+        f = self.ffn(x, tokens)
+        return self.hc_ffn.post(f, H, post, comb)
 
-    def __call__(self, H: mx.array, tokens: np.ndarray, p0: int, state: LayerState,
-                 numerics: Numerics) -> tuple[mx.array, LayerState]:
+    def __call__(self, H: mx.array, tokens: np.ndarray, p0: int, state: LayerState) -> tuple[mx.array, LayerState]:
         """H [T, n_hc, n_embd] at positions p0.. -> (H after the layer, layer state after the tokens)."""
-        H, state = self.attention_part(H, p0, state, numerics)
-        return self.ffn_part(H, tokens, numerics), state
+        H, state = self.attention_part(H, p0, state)
+        return self.ffn_part(H, tokens), state
 
 
 class Model:
-    def __init__(self, cfg: ModelConfig, numerics: Numerics, *, embedding: np.ndarray, blocks: list[Block],
+    def __init__(self, cfg: ModelConfig, ops: DefaultOps, *, embedding: np.ndarray, blocks: list[Block],
                  output_hc: OutputHC, output_norm: mx.array, output: DenseWeight, source=None):
-        self.config, self.numerics = cfg, numerics
+        self.config, self.ops = cfg, ops
         self.embedding = embedding  # [n_vocab, n_embd] float16 (mmap view), rows gathered per token
         self.blocks, self.output_hc, self.output_norm, self.output = blocks, output_hc, output_norm, output
         self.source = source  # the GGUFFile the weights map (kept open while the model lives)
         self._decoders: dict[bool, object] = {}
+
+    @property
+    def numerics(self) -> Numerics:
+        """The numerics mode the model was loaded with (its ``ops``)."""
+        return self.ops.numerics
 
     def embed(self, tokens: np.ndarray) -> mx.array:
         """[T] ids -> H [T, n_hc, n_embd]: the F16 row in every stream."""
@@ -68,15 +73,13 @@ class Model:
 
     def head(self, H: mx.array) -> mx.array:
         """H [T, n_hc, n_embd] -> logits [T, n_vocab]."""
-        y = self.output_hc(H, self.numerics)
-        return self.output(rms_norm(y, self.output_norm, self.config.rms_eps, self.numerics), self.numerics)
+        y = self.output_hc(H)
+        return self.ops.linear(self.output, self.ops.rms_norm(y, self.output_norm, self.config.rms_eps))
 
     def decoder(self, compile: bool = True):
         """The (cached) ``CompiledDecoder`` of this model; ``compile=False``: the same fixed-shape
         step run eagerly."""
         if compile not in self._decoders:
-            from ds4_mlx.model.compiled_decode import CompiledDecoder
-
             self._decoders[compile] = CompiledDecoder(self, compile=compile)
         return self._decoders[compile]
 
@@ -91,10 +94,8 @@ class Model:
             for t in np.asarray(tokens, dtype=np.int64).reshape(-1):
                 logits = self.decoder().step(int(t), state)
             return (logits if want_logits else None), state
-        if self.numerics is Numerics.DS4_CPU:
-            with mx.stream(mx.cpu):  # float64 steps; the reference arithmetic is a CPU one anyway
-                return self._forward_chunk(tokens, state, want_logits)
-        return self._forward_chunk(tokens, state, want_logits)
+        with self.ops.stream():
+            return self._forward_chunk(tokens, state, want_logits)
 
     def _forward_chunk(self, tokens: np.ndarray, state: ModelState,
                        want_logits: bool) -> tuple[mx.array | None, ModelState]:
@@ -111,7 +112,7 @@ class Model:
         for block, ls in zip(self.blocks, state.layers):
             if self.source is not None and block.il:
                 self.source.check_intact()  # and before each further layer's weights
-            H, ls = block(H, tokens, p0, ls, self.numerics)
+            H, ls = block(H, tokens, p0, ls)
             layers.append(ls)
             mx.eval(H, *_arrays(ls))
             _check_finite(H, f"layer {block.il}", where, self.source)
@@ -127,8 +128,6 @@ class Model:
 
     def new_session(self, ctx: int | None = None, chunk: int = 2048, compile: bool | None = None):
         """A model-level ``Runner`` (prefill / eval / logits); users want ``engine.session.Session``."""
-        from ds4_mlx.model.runner import Runner
-
         return Runner(self, ctx=ctx, chunk=chunk, compile=compile)
 
 

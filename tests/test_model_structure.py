@@ -1,0 +1,96 @@
+"""Structure of the forward pass (issue 13): the numerics mode is bound once (``model/ops.py``) and the
+architecture code never branches on it nor takes it as a parameter; no import cycle hides behind a
+function-level import; ``ModelConfig.coff`` is the only place that derives the compressor width."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "ds4_mlx"
+
+# The architecture: written once against an ``Ops`` object.
+ARCHITECTURE = ["attention.py", "compressor.py", "indexer.py", "hyper_connection.py", "moe.py", "transformer.py",
+                "compiled_decode.py", "runner.py", "state.py", "decode_cache.py", "rope.py", "numerics.py"]
+
+
+def _tree(rel: str) -> ast.Module:
+    return ast.parse((ROOT / rel).read_text(), filename=rel)
+
+
+@pytest.mark.parametrize("name", ARCHITECTURE)
+def test_architecture_has_no_numerics_branches_or_parameters(name):
+    tree = _tree(f"model/{name}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "Numerics":
+            pytest.fail(f"model/{name}:{node.lineno}: Numerics.{node.attr} (a numerics branch belongs in ops.py)")
+        if isinstance(node, (ast.FunctionDef, ast.Lambda)):
+            args = node.args
+            names = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs]
+            where = getattr(node, "name", "lambda")
+            assert "numerics" not in names, f"model/{name}:{node.lineno}: {where}() takes a numerics parameter"
+
+
+def test_ops_holds_both_modes():
+    from ds4_mlx.model.ops import DS4_CPU_OPS, DEFAULT_OPS, Numerics, ops_for
+
+    assert ops_for("default") is DEFAULT_OPS and ops_for(Numerics.DS4_CPU) is DS4_CPU_OPS
+    assert DEFAULT_OPS.compilable and not DS4_CPU_OPS.compilable
+    with pytest.raises(ValueError):
+        ops_for("fast-math")
+
+
+def _function_level_imports(rel: str) -> list[str]:
+    out = []
+    for node in ast.walk(_tree(rel)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.ImportFrom) and (sub.module or "").startswith("ds4_mlx"):
+                    out.append(f"{rel}:{sub.lineno}: from {sub.module} import … inside {node.name}()")
+    return out
+
+
+def test_no_function_level_imports_in_model_and_quants():
+    files = [f"model/{p.name}" for p in sorted((ROOT / "model").glob("*.py"))]
+    files += ["formats/quants.py", "formats/quants_mlx.py"]
+    found = [hit for rel in files for hit in _function_level_imports(rel)]
+    assert not found, "imports that hide a cycle:\n" + "\n".join(found)
+
+
+def _imports(rel: str) -> set[str]:
+    mods = set()
+    for node in ast.walk(_tree(rel)):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            mods.add(node.module)
+            mods.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            mods.update(a.name for a in node.names)
+    return mods
+
+
+def test_import_direction():
+    """quants (numpy) <- quants_mlx; linear <- experts; ops imports neither weights module."""
+    assert not any("quants_mlx" in m for m in _imports("formats/quants.py"))
+    assert not any(m.startswith("ds4_mlx.model.experts") for m in _imports("model/linear.py"))
+    ops = _imports("model/ops.py")
+    assert not any(m.startswith(("ds4_mlx.model.linear", "ds4_mlx.model.experts")) for m in ops)
+
+
+def test_coff_is_derived_in_one_place():
+    for p in sorted((ROOT / "model").glob("*.py")) + [ROOT / "engine" / "payload.py"]:
+        text = p.read_text()
+        assert "== 4 else 1" not in text, f"{p.name} re-derives coff; use ModelConfig.coff(il)"
+
+
+def test_state_layout_is_described_once():
+    """The payload walks the model's ``state_layout`` instead of restating the shapes per lane."""
+    from ds4_mlx.engine import payload
+    from ds4_mlx.model import state
+
+    fn = next(n for n in ast.walk(_tree("engine/payload.py"))
+              if isinstance(n, ast.FunctionDef) and n.name == "expected_arrays")
+    used = {n.attr for n in ast.walk(fn) if isinstance(n, ast.Attribute)}
+    assert not used & {"compress_ratio", "head_dim", "indexer_head_dim", "n_swa"}, used
+    assert payload.ArraySpec is state.StateArray
