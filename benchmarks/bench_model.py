@@ -5,7 +5,7 @@ decode, weight bytes per decoded token, peak memory.
     python scripts/make_tiny_model.py --preset medium --out /tmp/medium.gguf     # 9.5 GB, ~2 min
     python benchmarks/bench_model.py --model /tmp/medium.gguf --prefill 512 2048 --decode 8
 
-Model: ``--model PATH``, else ``$DS4_MLX_TINY_MODEL``, else ``/tmp/tiny/tiny.gguf``, else a tiny model
+Model: ``--model PATH``, else ``$DS4_MLX_TINY_MODEL``, else a tiny model
 is generated into a temp dir (deleted at exit). Tokens are random ids (seeded): the cost of a step
 does not depend on which ids, only (through routing) on which experts they pick.
 
@@ -41,7 +41,7 @@ import numpy as np
 
 from ds4_mlx.formats.ggml_types import GGMLType
 from ds4_mlx.model.experts import ExpertWeights
-from ds4_mlx.testing.tiny_model import benchmark_model_path
+from ds4_mlx.synth import benchmark_model_path
 
 GIB = float(1 << 30)
 MIB = float(1 << 20)

@@ -4,7 +4,7 @@
     python benchmarks/bench_session_restore.py --model medium.gguf --lengths 512,2048
     python benchmarks/bench_session_restore.py --crossover          # decode vs resumed prefill
 
-Model: ``--model PATH``, else ``$DS4_MLX_TINY_MODEL``, else ``/tmp/tiny/tiny.gguf``, else a tiny
+Model: ``--model PATH``, else ``$DS4_MLX_TINY_MODEL``, else a tiny
 model is generated into a temp dir with ``scripts/make_tiny_model.py`` (``--preset medium``
 makes the 4-layer real-dims model for ``--model``). Tokens are random ids (seeded); the cost of a
 prefill and the size of a state do not depend on which ids.
@@ -35,7 +35,7 @@ import numpy as np
 
 from ds4_mlx.engine import payload as P
 from ds4_mlx.engine.session import Session
-from ds4_mlx.testing.tiny_model import benchmark_model_path
+from ds4_mlx.synth import benchmark_model_path
 
 
 

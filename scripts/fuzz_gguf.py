@@ -9,7 +9,7 @@ metadata value and tensor view, builds the config and validates the layout. The 
 outcomes are success, GGUFError, or (for a readable file) LayoutError; anything else, or a case
 running past its time limit, is a bug. The summary counts outcomes per mutation kind.
 
-The small model and the byte-patch helpers are in ds4_mlx.testing.small_model; tests/test_fuzz.py
+The small model and the byte-patch helpers are in tests/small_model.py; tests/test_fuzz.py
 loads this script by path to run the engine on fewer cases.
 """
 
@@ -28,7 +28,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from ds4_mlx.testing.small_model import build_small_model
+# The small model's builder is a test helper (tests/small_model.py), not part of the package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from small_model import build_small_model  # noqa: E402
 
 # -- the fuzz engine -------------------------------------------------------------------------------
 

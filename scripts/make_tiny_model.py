@@ -3,7 +3,7 @@
 
 Presets: tiny (the oracle generator's defaults, 240 MiB), medium (4 layers at the real dims, 9.5 GB with
 q2 experts), real-layer (1 layer at the real dims, 3.6 GB). Any dim option overrides the preset; e.g. the full-size layout is
-``--preset medium --n-layer 43``. See ds4_mlx/testing/tiny_model.py for the content conventions.
+``--preset medium --n-layer 43``. See ds4_mlx/synth.py for the content conventions.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from ds4_mlx.errors import Ds4Error
-from ds4_mlx.testing.tiny_model import PRESETS, TinyModelConfig, preset_config, write_tiny_model
+from ds4_mlx.synth import PRESETS, TinyModelConfig, preset_config, write_tiny_model
 
 # option name -> config field, for every option that overrides a preset
 _DIM_OPTIONS = {

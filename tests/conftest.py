@@ -1,5 +1,5 @@
 """Shared fixtures, each built once per test session: the oracle's tiny model, the oracle's golden data
-and reference texts (tests/data), the small model (ds4_mlx.testing.small_model) and the tokenizers (ours and HF's on the official tokenizer.json)."""
+and reference texts (tests/data), the small model (tests/small_model.py) and the tokenizers (ours and HF's on the official tokenizer.json)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import ds4_mlx  # noqa: F401  (first: binds MLX to OpenBLAS before any test imports mlx)
-from ds4_mlx.testing import tiny_model as tm
-from ds4_mlx.testing.small_model import build_small_model
+from ds4_mlx import synth as tm
+from small_model import build_small_model
 from ds4_mlx.tokenizer import Tokenizer
 
 import oracle_golden
@@ -65,7 +65,7 @@ def tokenizer_json_path() -> Path:
 
 @pytest.fixture(scope="session")
 def small_model_path(tmp_path_factory) -> Path:
-    """The 4 MiB small DS4 model (ds4_mlx.testing.small_model) with its synthetic 512-token vocabulary
+    """The 4 MiB small DS4 model (tests/small_model.py) with its synthetic 512-token vocabulary
     (string arrays, multi-byte UTF-8). Tests read it; those that corrupt it write copies."""
     return build_small_model(tmp_path_factory.mktemp("small") / "small.gguf")
 

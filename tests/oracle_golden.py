@@ -33,7 +33,7 @@ ORACLE_SHA256 = "4f967c3e99f0ec622362d123f1e9495ae3ab29b9c83f943fd78d257f37b7379
 # our generator's oracle_bytes mode; tests/data/oracle/generator_sha256.json has the oracle's sha256 of each.
 GENERATOR_CASES = {
     "tiny": [],
-    # ds4_mlx.testing.small_model without a tokenizer
+    # tests/small_model.py without a tokenizer
     "small_model_no_tokenizer": [
         "--n-vocab", "512", "--n-layer", "4", "--n-embd", "256", "--n-head", "2", "--head-dim", "192",
         "--n-out-group", "1", "--q-lora", "64", "--o-lora", "32", "--n-expert", "4", "--n-expert-used", "2",

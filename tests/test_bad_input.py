@@ -18,7 +18,7 @@ from ds4_mlx.errors import Ds4Error, GGUFError, LayoutError
 from ds4_mlx.formats.config import ModelConfig
 from ds4_mlx.formats.gguf import GGUFFile
 from ds4_mlx.formats.layout import load_model_file
-from ds4_mlx.testing.small_model import kv_key_pos, kv_type_pos, kv_value_pos, patch, rewrite_gguf, \
+from small_model import kv_key_pos, kv_type_pos, kv_value_pos, patch, rewrite_gguf, \
     tensor_info_fields, tensor_info_pos
 
 

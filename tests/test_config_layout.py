@@ -19,7 +19,7 @@ from ds4_mlx.formats.layout import (
     routed_quant_bits,
     validate_layout,
 )
-from ds4_mlx.testing.small_model import build_small_model, rewrite_gguf
+from small_model import build_small_model, rewrite_gguf
 
 
 def test_config_matches_generator_summary(small_model_no_tokenizer):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ds4_mlx.testing.small_model import kv_value_pos, patch
+from small_model import kv_value_pos, patch
 
 REPO = Path(__file__).resolve().parents[1]
 CASES = 400

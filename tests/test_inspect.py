@@ -11,7 +11,7 @@ import types
 import gguf
 
 from ds4_mlx.frontends import cli
-from ds4_mlx.testing.small_model import kv_value_pos, patch, tensor_info_pos
+from small_model import kv_value_pos, patch, tensor_info_pos
 
 JSON_KEYS = {"path", "file_size", "gguf_version", "alignment", "data_offset", "n_kv", "n_tensors", "metadata",
              "tensors", "type_totals", "tensor_bytes", "n_params", "config", "verdict", "error",

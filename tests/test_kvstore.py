@@ -20,7 +20,9 @@ import pytest
 
 from ds4_mlx.engine import kvstore
 from ds4_mlx.engine.kvstore import KVStore, SaveReason, key_for_text, key_for_tokens, read_entry
-from ds4_mlx.engine.kvstore_policy import HIT_HALF_LIFE_SECONDS, KVStoreOptions
+from ds4_mlx.engine import kvstore_eviction
+from ds4_mlx.engine.kvstore_eviction import HIT_HALF_LIFE_SECONDS
+from ds4_mlx.engine.kvstore_policy import KVStoreOptions
 from ds4_mlx.errors import KVStoreError
 
 MODEL = bytes(range(32))
@@ -500,9 +502,9 @@ def test_eviction_order_uses_decayed_hits_and_last_use(tmp_path):
     # after 1 half-life from use, 4 hits count as 2: score (2 + 1) * tokens / size
     e = read_entry(a.path)
     later = e.last_used + HIT_HALF_LIFE_SECONDS
-    assert kvstore._score(e, later, DS4_HEAD).score == pytest.approx(3 * 1000 / 20000)
+    assert kvstore_eviction.entry_score(e, later, DS4_HEAD).score == pytest.approx(3 * 1000 / 20000)
     # ds4-mlx: a is a cold anchor, so the same base counts twice
-    s = kvstore._score(e, later, KVStoreOptions())
+    s = kvstore_eviction.entry_score(e, later, KVStoreOptions())
     assert s.base == pytest.approx(3 * 1000 / 20000) and s.score == pytest.approx(2 * 3 * 1000 / 20000)
     assert s.note == "anchor x2"
 

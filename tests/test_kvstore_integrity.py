@@ -214,14 +214,14 @@ if mode == "before-rename":
 elif mode == "after-rename":
     kvstore._fsync_dir = die
 elif mode == "mid-evict":
-    real = kvstore._unlink_victim
+    real = kvstore.unlink_victim
     calls = []
     def unlink_then_die(item, score):
         calls.append(item)
         if len(calls) > arg:
             die()
         return real(item, score)
-    kvstore._unlink_victim = unlink_then_die
+    kvstore.unlink_victim = unlink_then_die
 print("go", flush=True)
 store.store(list(range(1000)), b"the new entry", chunks, "continued")
 print("done", flush=True)

@@ -1,4 +1,4 @@
-"""ds4's disk KV cache policy (kvstore_policy.py): save points, budget arithmetic, eviction score.
+"""ds4's disk KV cache policy (kvstore_policy.py, kvstore_eviction.py): save points, budget, eviction score.
 
 Expected values are ds4's own unit tests (ds4_server.c test_kv_cache_*) or worked by hand from the
 rules in ds4_kvstore.c, not taken from our implementation.
@@ -10,6 +10,7 @@ import math
 
 import pytest
 
+from ds4_mlx.engine import kvstore_eviction as ev
 from ds4_mlx.engine import kvstore_policy as pol
 from ds4_mlx.engine.kvstore_policy import KVStoreOptions
 from ds4_mlx.errors import KVStoreError
@@ -22,7 +23,7 @@ def test_defaults_are_ds4s():
     assert (o.min_tokens, o.cold_max_tokens, o.continued_interval_tokens,
             o.boundary_trim_tokens, o.boundary_align_tokens) == (512, 30000, 10000, 32, 2048)
     assert pol.DEFAULT_BUDGET_MB == 4096
-    assert pol.HIT_HALF_LIFE_SECONDS == 21600
+    assert ev.HIT_HALF_LIFE_SECONDS == 21600
 
 
 def test_stable_store_len_matches_ds4_tests():
@@ -91,28 +92,28 @@ def test_budget_arithmetic():
 
 
 def test_effective_hits_half_life():
-    hl = pol.HIT_HALF_LIFE_SECONDS
-    assert pol.effective_hits(8, 1000, 500, 1000) == 8
-    assert pol.effective_hits(8, 1000, 500, 1000 + hl) == pytest.approx(4)
-    assert pol.effective_hits(8, 1000, 500, 1000 + 3 * hl) == pytest.approx(1)
-    assert pol.effective_hits(8, 0, 1000, 1000 + hl) == pytest.approx(4)  # created stands in
-    assert pol.effective_hits(8, 0, 0, 5000) == 0  # no timestamp at all
+    hl = ev.HIT_HALF_LIFE_SECONDS
+    assert ev.effective_hits(8, 1000, 500, 1000) == 8
+    assert ev.effective_hits(8, 1000, 500, 1000 + hl) == pytest.approx(4)
+    assert ev.effective_hits(8, 1000, 500, 1000 + 3 * hl) == pytest.approx(1)
+    assert ev.effective_hits(8, 0, 1000, 1000 + hl) == pytest.approx(4)  # created stands in
+    assert ev.effective_hits(8, 0, 0, 5000) == 0  # no timestamp at all
     # 1 hit decays below 0.01 after log2(100) = 6.64 half-lives and then counts as none
-    assert pol.effective_hits(1, 1000, 0, 1000 + 6.6 * hl) > 0.01
-    assert pol.effective_hits(1, 1000, 0, 1000 + 6.7 * hl) == 0
-    assert pol.effective_hits(5, 2000, 0, 1000) == 5  # clock behind last use: no decay
+    assert ev.effective_hits(1, 1000, 0, 1000 + 6.6 * hl) > 0.01
+    assert ev.effective_hits(1, 1000, 0, 1000 + 6.7 * hl) == 0
+    assert ev.effective_hits(5, 2000, 0, 1000) == 5  # clock behind last use: no decay
 
 
 def test_eviction_score_matches_ds4():
-    hl = pol.HIT_HALF_LIFE_SECONDS
+    hl = ev.HIT_HALF_LIFE_SECONDS
     now = 1000 + 14 * hl
-    stale = pol.eviction_score(1024, 10, 4096, 1000, 0, now)  # ds4: decays_stale_hits
-    fresh = pol.eviction_score(2048, 0, 4096, now, 0, now)
+    stale = ev.eviction_score(1024, 10, 4096, 1000, 0, now)  # ds4: decays_stale_hits
+    fresh = ev.eviction_score(2048, 0, 4096, now, 0, now)
     assert stale < fresh
     assert fresh == 1.0 * 2048 / 4096
-    assert pol.eviction_score(1000, 3, 2000, now - hl, 0, now) == pytest.approx((1.5 + 1) * 0.5)
-    assert pol.eviction_score(1000, 3, 0, now, 0, now) == 0
-    assert math.isfinite(pol.eviction_score(1, 2**32 - 1, 1, now, now, now))
+    assert ev.eviction_score(1000, 3, 2000, now - hl, 0, now) == pytest.approx((1.5 + 1) * 0.5)
+    assert ev.eviction_score(1000, 3, 0, now, 0, now) == 0
+    assert math.isfinite(ev.eviction_score(1, 2**32 - 1, 1, now, now, now))
 
 
 def test_options_validation():
@@ -135,7 +136,7 @@ def test_ds4_mlx_eviction_defaults_and_ds4_head_mode():
 
 
 def test_score_factors():
-    f = pol.score_factors
+    f = ev.score_factors
     assert f(anchor=False, superseded=False, eff_hits=0) == (1.0, 1.0)
     assert f(anchor=True, superseded=False, eff_hits=3) == (2.0, 1.0)
     assert f(anchor=False, superseded=True, eff_hits=0) == (1.0, 0.02)
@@ -147,10 +148,10 @@ def test_score_factors():
         assert f(anchor=anchor, superseded=superseded, eff_hits=hits, opts=head) == (1.0, 1.0)
     # a fresh anchor outranks a fresh continued entry of the same shape until that one has a hit
     density = 1000 / 20000
-    anchor = pol.eviction_score(1000, 0, 20000, 10, 0, 10) * f(anchor=True, superseded=False, eff_hits=0)[0]
+    anchor = ev.eviction_score(1000, 0, 20000, 10, 0, 10) * f(anchor=True, superseded=False, eff_hits=0)[0]
     assert anchor == 2 * density
-    assert pol.eviction_score(1000, 0, 20000, 10, 0, 10) < anchor
-    assert pol.eviction_score(1000, 1, 20000, 10, 0, 10) == anchor
+    assert ev.eviction_score(1000, 0, 20000, 10, 0, 10) < anchor
+    assert ev.eviction_score(1000, 1, 20000, 10, 0, 10) == anchor
 
 
 @pytest.mark.parametrize("kw", [{"anchor_score_factor": 0}, {"anchor_score_factor": -1.0},

@@ -551,7 +551,7 @@ def test_experts_reject_bad_input():
 def test_grouped_dense_expert_path_is_bit_identical(monkeypatch):
     """Evaluating experts in memory-bounded groups gives the bits of the one-shot call."""
     from ds4_mlx.model import experts as ex
-    from ds4_mlx.testing.tiny_model import q2_k_random_blocks
+    from ds4_mlx.synth import q2_k_random_blocks
 
     rng = np.random.default_rng(5)
     n_exp, out_dim, n_in = 12, 64, 256

@@ -16,7 +16,7 @@ from ds4_mlx.errors import LayoutError
 from ds4_mlx.formats.config import INT_RANGES, PRODUCT_LIMITS, ModelConfig
 from ds4_mlx.formats.gguf import GGUFFile
 from ds4_mlx.formats.layout import load_model_file
-from ds4_mlx.testing.small_model import kv_value_pos, patch
+from small_model import kv_value_pos, patch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

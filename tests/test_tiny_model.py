@@ -20,7 +20,7 @@ from ds4_mlx.errors import LayoutError, TokenizerError
 from ds4_mlx.formats.ggml_types import BLOCK_GEOMETRY, GGMLType
 from ds4_mlx.formats.gguf import GGUFFile
 from ds4_mlx.formats.quants import dequantize, q4_k_scale_min
-from ds4_mlx.testing import tiny_model as tm
+from ds4_mlx import synth as tm
 from oracle_golden import GENERATOR_CASES, ORACLE_SHA256, generator_sha256
 
 REPO = Path(__file__).resolve().parents[1]
@@ -332,7 +332,7 @@ def test_cli_writes_model_and_summary(tmp_path, capsys):
 
 
 def test_runtime_code_does_not_import_gguf_py():
-    code = ("import sys; import ds4_mlx.testing.tiny_model, ds4_mlx.formats.gguf_writer; "
+    code = ("import sys; import ds4_mlx.synth, ds4_mlx.formats.gguf_writer; "
             "assert 'gguf' not in sys.modules, 'gguf-py imported at runtime'")
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -1,8 +1,7 @@
-"""ds4's disk KV cache policy: when a prefix is worth saving, where to cut it, what to evict first.
+"""ds4's disk KV cache policy: the store's options, when a prefix is worth saving, where to cut it.
 
-Pure arithmetic over token counts, sizes and timestamps; the file format and all I/O live in
-``kvstore.py``. Every rule here is ds4's (``ds4_kvstore.c`` / ``ds4_server.c``) except the two
-eviction factors described after the list:
+Pure arithmetic over token counts and sizes; the file format is ``kvstore_format``, what to evict
+first is ``kvstore_eviction``. Every rule here is ds4's (``ds4_kvstore.c`` / ``ds4_server.c``):
 
 * Save points. A *cold* save is made once for a fresh (not cached) prompt of ``min_tokens`` ..
   ``cold_max_tokens`` tokens, cut at the chat anchor (the last ``<｜User｜>`` before the first
@@ -13,39 +12,9 @@ eviction factors described after the list:
   no helper.
 * Budget. A file of ``B`` bytes may only be written when ``B + ceil(B / 100) <= budget``: the 1%
   headroom keeps a file that barely fits from being evicted by the very pass that follows it.
-* Eviction, while the directory is over budget: lowest score first, where ds4's score is
-  ``base = (effective_hits + 1) * tokens / file_bytes`` and
-  ``effective_hits = hits * 2 ** (-(now - last_used) / 6 h)`` (``created`` stands in for a zero
-  ``last_used``; no timestamp at all, or a value under 0.01, means 0). Ties go to the older
-  ``last_used``. The file just written is never the victim. The ``+ 1`` keeps a fresh zero-hit
-  checkpoint worth its token density; the decay only removes *stale* popularity, never the
-  baseline.
 
-ds4-mlx multiplies that base by two factors ds4 HEAD does not have (both on by default; the
-options ``anchor_score_factor`` / ``demote_superseded_continued`` control them, and
-``KVStoreOptions.ds4_head()`` turns both off for ds4 HEAD's exact order):
-
-* Anchors. cold / evict / shutdown checkpoints are saved on purpose, to serve a later request
-  that starts over (a new session with the same system prompt, a conversation swapped out of
-  RAM). Their score is multiplied by ``ANCHOR_SCORE_FACTOR`` (2): a fresh continued snapshot of
-  the same shape needs one real, undecayed hit to tie with a fresh anchor, so a marginally denser
-  continued stream cannot push an anchor out. This is a multiplier on the whole score, so it
-  decays along with the hits but never below 2x the density (a contributor branch of ds4,
-  f6bd3ee, instead raised the ``+ 1`` to ``+ 4`` for the same three reasons; a multiplier keeps
-  the hit/no-hit ratio of ds4 intact within each class).
-* Superseded continued checkpoints. A continued checkpoint whose tokens are a strict prefix of a
-  newer stored entry of the same model and payload version only serves requests that branch off
-  between its end and the newer entry's end; everything else is served better by the newer one.
-  Its score is multiplied by ``SUPERSEDED_HIT_FACTOR`` (0.25) when it has effective hits (it *has*
-  served such branches) and ``SUPERSEDED_NO_HIT_FACTOR`` (0.02) otherwise: the values of ds4's own
-  rule before commit 1a5ce45. There the newer sequence was the live session in RAM, and ds4
-  dropped the rule when continued saves became aligned restart frontiers: a prefix of the live
-  session is its only durable restart point. A prefix of a newer *stored* entry is not: the
-  newer file already is a durable restart point further on. ds4's extra ``* tokens / live_len``
-  depth factor is left out: the density term already ranks sibling prefixes, and depth would
-  make the penalty depend on how far the newer entry happened to run. The entry is only
-  demoted, never deleted for this reason: it still goes only when the budget needs room, and if
-  its superseder is evicted first it regains its full score.
+The options also carry the two ds4-mlx eviction refinements (``anchor_score_factor``,
+``demote_superseded_continued``) that ``kvstore_eviction`` applies.
 """
 
 from __future__ import annotations
@@ -64,19 +33,15 @@ DEFAULT_CONTINUED_INTERVAL_TOKENS = 10000
 DEFAULT_BOUNDARY_TRIM_TOKENS = 32
 DEFAULT_BOUNDARY_ALIGN_TOKENS = 2048
 DEFAULT_BUDGET_MB = 4096
-HIT_HALF_LIFE_SECONDS = 6 * 60 * 60
-MIN_EFFECTIVE_HITS = 0.01
 MIB = 1024 * 1024
 ANCHOR_SCORE_FACTOR = 2.0  # ds4-mlx: explicit checkpoints are worth two continued ones of their shape
-SUPERSEDED_HIT_FACTOR = 0.25  # ds4 before 1a5ce45: a superseded prefix that served branches
-SUPERSEDED_NO_HIT_FACTOR = 0.02  # ... and one that never did (or whose hits have decayed away)
 
 
 @dataclass(frozen=True)
 class KVStoreOptions:
     """ds4's ``ds4_kvstore_options`` (server flags ``--kv-cache-*``); 0 disables cold/continued/trim/align.
 
-    Plus ds4-mlx's two eviction refinements (module docstring): ``anchor_score_factor`` multiplies
+    Plus ds4-mlx's two eviction refinements (``kvstore_eviction``): ``anchor_score_factor`` multiplies
     the score of cold / evict / shutdown entries, ``demote_superseded_continued`` demotes continued
     entries that a newer stored entry extends. ``ds4_head()`` gives ds4 HEAD's exact eviction.
     """
@@ -204,39 +169,3 @@ def required_bytes(file_bytes: int) -> int:
 
 def fits_budget(file_bytes: int, budget: int) -> bool:
     return required_bytes(file_bytes) <= budget
-
-
-def effective_hits(hits: int, last_used: int, created_at: int, now: float) -> float:
-    """Hit count halved for every 6 h without use (see the module docstring)."""
-    used_at = last_used or created_at
-    if used_at == 0:
-        return 0.0
-    eff = float(hits)
-    if now > used_at:
-        eff *= math.exp2(-(now - used_at) / HIT_HALF_LIFE_SECONDS)
-        if eff < MIN_EFFECTIVE_HITS:
-            eff = 0.0
-    return eff
-
-
-def eviction_score(tokens: int, hits: int, file_bytes: int, last_used: int, created_at: int,
-                   now: float) -> float:
-    """ds4 HEAD's value per byte of keeping a checkpoint (the base score). 0 for an empty file."""
-    if file_bytes <= 0:
-        return 0.0
-    return (effective_hits(hits, last_used, created_at, now) + 1.0) * tokens / file_bytes
-
-
-def score_factors(*, anchor: bool, superseded: bool, eff_hits: float,
-                  opts: KVStoreOptions = DEFAULT_OPTIONS) -> tuple[float, float]:
-    """(anchor factor, superseded factor) that ds4-mlx multiplies the base score by.
-
-    ``anchor``: a cold / evict / shutdown entry. ``superseded``: a continued entry whose tokens a
-    newer stored entry strictly extends (the caller decides both). Both 1.0 under
-    ``KVStoreOptions.ds4_head()``.
-    """
-    anchor_f = opts.anchor_score_factor if anchor else 1.0
-    superseded_f = 1.0
-    if superseded and opts.demote_superseded_continued:
-        superseded_f = SUPERSEDED_HIT_FACTOR if eff_hits > 0 else SUPERSEDED_NO_HIT_FACTOR
-    return anchor_f, superseded_f

@@ -41,7 +41,7 @@ def ensure_demo_model(cache_dir: Path) -> Path:
     if path.is_file():
         return path
     try:
-        from ds4_mlx.testing.tiny_model import preset_config, write_tiny_model
+        from ds4_mlx.synth import preset_config, write_tiny_model
     except ImportError as exc:
         raise Ds4Error(f"cannot build the demo model: {exc} (install with: pip install -e '.[dev]')") from None
     cache_dir.mkdir(parents=True, exist_ok=True)

@@ -26,43 +26,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import time
-from datetime import datetime, timezone
-from pathlib import Path
 
-from ds4_mlx.engine.kvstore import (
-    EXT_DS4_MLX,
-    EXT_RESPONSES_VISIBLE,
-    EXT_THINKING_VISIBLE,
-    EXT_TOOL_MAP,
-    HEADER_BYTES,
-    TAIL_BYTES,
-    TAIL_MAGIC,
-    TEXT_LEN_BYTES,
-    Entry,
-    KVC_MAGIC,
-    KVFileRejected,
-    RawHeader,
-    RawTail,
-    SaveReason,
-    clean_stale_temps,
-    directory_lock,
-    evict_to_budget,
-    eviction_scores,
-    key_kind_of,
-    read_contents,
-    open_regular,
-    read_entry,
-    scan_dir,
+from ds4_mlx.engine.kvstore_admin import (
+    ListedFile,
+    cache_dir,
+    inspect_file,
+    list_entries,
+    prune,
+    utc,
 )
 from ds4_mlx.engine.kvstore_policy import DEFAULT_OPTIONS, MIB, KVStoreOptions
 from ds4_mlx.errors import KVStoreError
 
-PREVIEW_CHARS = 40
 MAX_BUDGET_MB = 2**30  # 1 PiB: far beyond any disk, small enough to stay exact in bytes
-_EXT_NAMES = [(EXT_TOOL_MAP, "tool-map"), (EXT_RESPONSES_VISIBLE, "responses-visible"),
-              (EXT_THINKING_VISIBLE, "thinking-visible"), (EXT_DS4_MLX, "ds4-mlx")]
 
 
 def register(subparsers) -> None:
@@ -108,26 +84,6 @@ def escape_text(text: str) -> str:
     return "".join(out)
 
 
-def _read_at(path: Path, offset: int, n: int) -> bytes:
-    f, _ = open_regular(path, follow=True)  # never blocks on a FIFO swapped in after the listing
-    with f:
-        return os.pread(f.fileno(), n, offset)
-
-
-def text_preview(path: Path, text_bytes: int, chars: int = PREVIEW_CHARS) -> tuple[str, str]:
-    """(first, last) ``chars`` characters of the key text, escaped; last is "" when short."""
-    window = 8 * chars  # enough bytes for ``chars`` characters of up to 4 bytes, plus a cut one
-    start = HEADER_BYTES + TEXT_LEN_BYTES
-    if text_bytes <= 2 * window:
-        text = _read_at(path, start, text_bytes).decode("utf-8", "surrogateescape")
-        if len(text) <= 2 * chars:
-            return escape_text(text), ""
-        return escape_text(text[:chars]), escape_text(text[-chars:])
-    head = _read_at(path, start, window).decode("utf-8", "surrogateescape")
-    tail = _read_at(path, start + text_bytes - window, window).decode("utf-8", "surrogateescape")
-    return escape_text(head[:chars]), escape_text(tail[-chars:])
-
-
 def human_size(n: int) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
@@ -135,26 +91,19 @@ def human_size(n: int) -> str:
     return f"{n} B"
 
 
-def utc(ts: int) -> str:
-    if ts <= 0:
-        return "-"
-    try:
-        return datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
-    except (OverflowError, OSError, ValueError):
-        return f"@{ts}"
-
-
 def scoring_options(args: argparse.Namespace) -> KVStoreOptions:
     return KVStoreOptions.ds4_head() if args.ds4_head else DEFAULT_OPTIONS
 
 
-def ext_names(flags: int) -> list[str]:
-    names = [name for bit, name in _EXT_NAMES if flags & bit]
-    unknown = flags & ~sum(bit for bit, _ in _EXT_NAMES)
-    return names + ([f"unknown:{unknown:#04x}"] if unknown else [])
-
-
-def _entry_json(e: Entry, head: str, tail: str) -> dict:
+def _row_json(f: ListedFile) -> dict:
+    s = f.score
+    scores = {"score": s.score, "base_score": s.base, "score_note": s.note,
+              "superseded_by": list(s.superseded_by)}
+    e = f.entry
+    if e is None:
+        return {"file": f.name, "path": str(f.path), "valid": False, "problem": f.problem,
+                "size": f.size, **scores}
+    head, tail = ("?", "") if f.text_head is None else (escape_text(f.text_head), escape_text(f.text_tail))
     return {
         "file": e.name, "path": str(e.path), "valid": True, "problem": None,
         "tokens": e.tokens, "size": e.file_size, "reason": e.reason.label, "hits": e.hits,
@@ -162,40 +111,16 @@ def _entry_json(e: Entry, head: str, tail: str) -> dict:
         "ctx_size": e.ctx_size, "quant_bits": e.quant_bits, "key_kind": e.key_kind,
         "text_bytes": e.text_bytes, "payload_bytes": e.payload_bytes,
         "model_id": e.model_id.hex(), "payload_version": e.payload_version,
-        "text_head": head, "text_tail": tail,
+        "text_head": head, "text_tail": tail, **scores,
     }
 
 
 # -- ls ------------------------------------------------------------------------------------------
 
 
-def _cache_dir(arg: str) -> Path:
-    directory = Path(arg)
-    if not directory.exists():
-        raise KVStoreError(f"{directory}: KV cache directory does not exist")
-    if not directory.is_dir():
-        raise KVStoreError(f"{directory}: not a directory (a KV cache is a directory of .kv files)")
-    return directory
-
-
 def run_ls(args: argparse.Namespace) -> int:
-    directory = _cache_dir(args.dir)
-    scan = scan_dir(directory)
-    scores = eviction_scores([*scan.entries, *scan.invalid], time.time(), scoring_options(args))
-    rows = []
-    for e in sorted(scan.entries, key=lambda e: (-e.last_used, e.name)):
-        try:
-            head, tail = text_preview(e.path, e.text_bytes)
-        except OSError:
-            head, tail = "?", ""
-        rows.append(_entry_json(e, head, tail))
-    for bad in scan.invalid:
-        rows.append({"file": bad.path.name, "path": str(bad.path), "valid": False,
-                     "problem": bad.reason, "size": bad.file_size})
-    for r in rows:
-        s = scores[r["file"]]
-        r.update(score=s.score, base_score=s.base, score_note=s.note,
-                 superseded_by=list(s.superseded_by))
+    listing = list_entries(args.dir, scoring_options(args))
+    rows = [_row_json(f) for f in listing.files]
     if args.json:
         print(json.dumps(rows, indent=2, ensure_ascii=False))
         return 0
@@ -214,8 +139,7 @@ def run_ls(args: argparse.Namespace) -> int:
     for row in table:
         cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
         print("  ".join(cells + [row[-1]]))
-    total = scan.total_bytes
-    print(f"{len(scan.entries)} valid, {len(scan.invalid)} invalid, {human_size(total)} in total")
+    print(f"{listing.valid} valid, {listing.invalid} invalid, {human_size(listing.total_bytes)} in total")
     if any(r["score_note"] for r in rows):
         print("* score = ds4's score times an anchor bonus or a superseded-prefix demotion "
               "(--json: base_score, score_note)")
@@ -225,74 +149,11 @@ def run_ls(args: argparse.Namespace) -> int:
 # -- inspect -------------------------------------------------------------------------------------
 
 
-def inspect_report(path: Path) -> dict:
-    """Every field that can be decoded, plus ``problems`` (empty when the file is fully valid)."""
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        raise KVStoreError(f"{path}: does not exist") from None
-    except OSError as exc:
-        raise KVStoreError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    if not path.is_file():
-        raise KVStoreError(f"{path}: not a regular file")
-    try:
-        magic = _read_at(path, 0, len(KVC_MAGIC))
-    except OSError as exc:
-        raise KVStoreError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    if magic != KVC_MAGIC:
-        # Decoding anything further would print garbage fields (a GGUF read as a header).
-        raise KVStoreError(f"{path}: not a ds4-mlx KV cache file (bad magic {magic!r}, "
-                           f"expected {KVC_MAGIC!r})")
-    report: dict = {"file": str(path), "size": size, "header": None, "text_bytes": None,
-                    "text_head": None, "text_tail": None, "trailer": None, "tool_map_entries": None,
-                    "file_crc": "not checked", "problems": [], "notes": []}
-    if size >= HEADER_BYTES:
-        h = RawHeader.unpack(_read_at(path, 0, HEADER_BYTES))
-        report["header"] = {
-            "magic": h.magic.decode("latin-1"), "version": h.version, "quant_bits": h.quant_bits,
-            "reason": SaveReason(h.reason_code).label if h.reason_code <= SaveReason.AGENT_SESSION
-            else "unknown", "reason_code": h.reason_code,
-            "ext_flags": h.ext_flags, "ext_names": ext_names(h.ext_flags),
-            "key_kind": key_kind_of(h.ext_flags), "reserved": h.reserved, "tokens": h.tokens,
-            "hits": h.hits, "ctx_size": h.ctx_size, "header_crc": f"{h.header_crc:#010x}",
-            "header_crc_ok": h.crc_ok, "created": h.created_at, "created_utc": utc(h.created_at),
-            "last_used": h.last_used, "last_used_utc": utc(h.last_used),
-            "payload_bytes": h.payload_bytes,
-        }
-    if size >= HEADER_BYTES + TEXT_LEN_BYTES:
-        text_bytes = int.from_bytes(_read_at(path, HEADER_BYTES, TEXT_LEN_BYTES), "little")
-        report["text_bytes"] = text_bytes
-        if HEADER_BYTES + TEXT_LEN_BYTES + text_bytes <= size:
-            report["text_head"], report["text_tail"] = text_preview(path, text_bytes)
-    if size >= TAIL_BYTES:
-        t = RawTail.unpack(_read_at(path, size - TAIL_BYTES, TAIL_BYTES))
-        if t.magic == TAIL_MAGIC:
-            report["trailer"] = {
-                "version": t.version, "payload_version": t.payload_version,
-                "model_id": t.model_id_field[:t.model_id_len].hex(), "token_key": t.token_key.hex(),
-                "file_crc": f"{t.file_crc:#010x}",
-            }
-    try:
-        entry = read_entry(path)
-    except KVFileRejected as rej:
-        report["problems"].append(rej.reason)
-        return report
-    if not entry.key:
-        report["notes"].append("file name is not <sha1>.kv: the text-hash check is skipped")
-    report["tool_map_bytes"] = entry.tool_map_bytes
-    try:
-        contents = read_contents(entry)
-    except KVFileRejected as rej:
-        report["problems"].append(rej.reason)
-        report["file_crc"] = "mismatch" if "checksum" in rej.reason else "not checked"
-        return report
-    report["file_crc"] = "ok"
-    report["tool_map_entries"] = len(contents.tool_map)
-    return report
-
-
 def run_inspect(args: argparse.Namespace) -> int:
-    report = inspect_report(Path(args.file))
+    report = inspect_file(args.file)
+    if report["text_head"] is not None:
+        report["text_head"], report["text_tail"] = (escape_text(report["text_head"]),
+                                                    escape_text(report["text_tail"]))
     valid = not report["problems"]
     report["valid"] = valid
     if args.json:
@@ -339,25 +200,22 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def run_prune(args: argparse.Namespace) -> int:
-    directory = _cache_dir(args.dir)
+    cache_dir(args.dir)  # a missing directory is named before a bad budget
     if not 0 <= args.budget_mb <= MAX_BUDGET_MB:  # also false for nan
         raise KVStoreError(f"--budget-mb {args.budget_mb}: must be a number of MiB from 0 to "
                            f"{MAX_BUDGET_MB} (0 removes every file)")
     budget = int(args.budget_mb * MIB)
-    now = time.time()
-    with directory_lock(directory):  # a writer in another process must not refill it meanwhile
-        temps = clean_stale_temps(directory, now)
-        removed = evict_to_budget(directory, budget, now, options=scoring_options(args))
-        scan = scan_dir(directory)
-    kept = len(scan.entries) + len(scan.invalid)
-    rc = 0 if scan.total_bytes <= budget else 1
+    report = prune(args.dir, budget, scoring_options(args))
+    removed, temps, kept, total = (report.removed, report.temps_removed, report.kept_files,
+                                   report.total_bytes)
+    rc = 0 if report.within_budget else 1
     if args.json:
         print(json.dumps({
-            "budget_bytes": budget, "total_bytes": scan.total_bytes, "kept_files": kept,
+            "budget_bytes": budget, "total_bytes": total, "kept_files": kept,
             "removed": [{"file": ev.path.name, "size": ev.file_size, "tokens": ev.tokens,
                          "hits": ev.hits, "score": ev.score, "score_note": ev.note, "why": ev.why}
                         for ev in removed],
-            "temps_removed": [os.fspath(p.name) for p in temps],
+            "temps_removed": [p.name for p in temps],
         }, indent=2))
         return rc
     for p in temps:
@@ -365,8 +223,8 @@ def run_prune(args: argparse.Namespace) -> int:
     for ev in removed:
         print(f"removed {ev.path.name} tokens={ev.tokens} size={human_size(ev.file_size)} "
               f"hits={ev.hits} score={ev.score:.6g}{f' [{ev.note}]' if ev.note else ''} ({ev.why})")
-    print(f"{len(removed)} removed, {kept} kept, {human_size(scan.total_bytes)} "
-          f"<= budget {human_size(budget)}" if scan.total_bytes <= budget else
-          f"{len(removed)} removed, {kept} kept, {human_size(scan.total_bytes)} still over budget "
+    print(f"{len(removed)} removed, {kept} kept, {human_size(total)} "
+          f"<= budget {human_size(budget)}" if total <= budget else
+          f"{len(removed)} removed, {kept} kept, {human_size(total)} still over budget "
           f"{human_size(budget)} (files that could not be removed)")
     return rc

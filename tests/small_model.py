@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 SMALL_MODEL_ARGS = [
     "--n-vocab", "512", "--n-layer", "4", "--n-embd", "256", "--n-head", "2", "--head-dim", "192",
@@ -109,7 +109,7 @@ def build_small_model(out: Path, *, tokenizer: bool = True, extra_args: list[str
     if summary_json is not None:
         cmd += ["--summary-json", str(summary_json)]
     env = None
-    if ours:  # the script imports ds4_mlx: the tree this module belongs to, installed or not
+    if ours:  # the script imports ds4_mlx: the tree these tests belong to, installed or not
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
     if ours and summary_json is not None:

@@ -1,5 +1,9 @@
 """Deterministic random-weight DS4 Flash models in ds4's exact GGUF layout, streamed to disk.
 
+Part of the package (not a test helper): ``ds4-mlx demo`` builds its model with it, as do the
+benchmarks, ``scripts/make_tiny_model.py`` and the test suite (which writes the oracle's tiny model
+with ``oracle_bytes``).
+
 The layout (metadata keys, value types and values, tensor names, GGML types, GGUF dims, tensor order,
 alignment) is that of the project's oracle generator ``shared/oracle/make_tiny_gguf.py`` for the same
 dims, so the same loader code runs on these files, on the oracle's and on the real 43-layer model.
@@ -754,15 +758,16 @@ def _peak_rss_bytes() -> int:
 
 
 def benchmark_model_path(arg: str | None, tmp_dir: str | os.PathLike) -> Path:
-    """The model a benchmark runs on: ``arg`` if given (must exist), else ``$DS4_MLX_TINY_MODEL`` or
-    ``/tmp/tiny/tiny.gguf`` when present, else a tiny model written into ``tmp_dir``."""
+    """The model a benchmark runs on: ``arg`` if given (must exist), else ``$DS4_MLX_TINY_MODEL``
+    when it names a file, else a tiny model written into ``tmp_dir`` (the caller's temporary
+    directory, e.g. a ``tempfile.TemporaryDirectory``: no fixed path is assumed)."""
     if arg:
         if not Path(arg).is_file():
             raise SystemExit(f"--model {arg}: no such file")
         return Path(arg)
-    for cand in (os.environ.get("DS4_MLX_TINY_MODEL"), "/tmp/tiny/tiny.gguf"):
-        if cand and Path(cand).is_file():
-            return Path(cand)
+    env = os.environ.get("DS4_MLX_TINY_MODEL")
+    if env and Path(env).is_file():
+        return Path(env)
     out = Path(tmp_dir) / "tiny.gguf"
     print(f"generating a tiny model into {out} ...", file=sys.stderr)
     write_tiny_model(preset_config("tiny"), out, compute_sha256=False)
