@@ -21,6 +21,7 @@ import os
 
 from ds4_mlx.chat.template import DEFAULT_CTX
 from ds4_mlx.errors import Ds4Error
+from ds4_mlx.frontends.args import CTX, ranged
 
 
 def register(subparsers) -> None:
@@ -28,9 +29,12 @@ def register(subparsers) -> None:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-m", "--model", required=True, help="DS4 Flash GGUF file")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    p.add_argument("--ctx", type=int, default=DEFAULT_CTX, help=f"context size (default {DEFAULT_CTX})")
-    p.add_argument("--numerics", default="default", help="numerics mode of the model (see generate)")
+    p.add_argument("--port", action=ranged(int, 1, 65535, why="a TCP port"), default=8000, metavar="N",
+                   help="port (default 8000)")
+    p.add_argument("--ctx", action=CTX, default=DEFAULT_CTX, metavar="N",
+                   help=f"context size in tokens (default {DEFAULT_CTX})")
+    p.add_argument("--numerics", choices=["default", "ds4-cpu"], default="default",
+                   help="arithmetic: fast path, or ds4's CPU reference arithmetic")
     p.add_argument("--model-id", default="deepseek-v4-flash", help="model id served (default %(default)s)")
     p.add_argument("--kv-disk-dir", default=None, help="directory of the disk KV cache (off by default)")
     p.add_argument("--kv-disk-space-mb", type=int, default=None, help="disk KV cache budget in MiB")
@@ -52,8 +56,6 @@ def register(subparsers) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
-    if not 0 < args.port < 65536:
-        raise Ds4Error(f"--port must be 1..65535, got {args.port}")
     if args.ctx < 16:
         raise Ds4Error(f"--ctx must be >= 16, got {args.ctx}")
     if args.max_queue < 0:

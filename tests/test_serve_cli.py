@@ -1,0 +1,80 @@
+"""`ds4-mlx serve` as a user runs it: the real command in its own process on loopback, with an API key,
+answering the openai SDK, reusing the KV of a repeated request, refusing a wrong key, and leaving
+cleanly on SIGTERM with the live session saved to the disk cache (ds4's "shutdown" save)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+KEY = "k-test"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _health(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            return json.loads(r.read()).get("status") == "ok"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_serve_command_end_to_end(tiny_model_path, tmp_path):
+    port = _free_port()
+    kv = tmp_path / "kv"
+    cmd = [sys.executable, "-m", "ds4_mlx.frontends.cli", "serve", "-m", str(tiny_model_path),
+           "--port", str(port), "--api-key", KEY, "--ctx", "4096", "--kv-disk-dir", str(kv),
+           "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while not _health(url):
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "server did not become healthy"
+            time.sleep(0.5)
+        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+        # a prompt long enough for a disk save (min 512 tokens) so SIGTERM has something to store
+        text = "Summarise this: " + " ".join(f"item {i}," for i in range(300))
+        req = dict(model="deepseek-v4-flash", messages=[{"role": "user", "content": text}],
+                   max_tokens=4, temperature=0, extra_body={"thinking": {"type": "disabled"}})
+        first = client.chat.completions.create(**req)
+        second = client.chat.completions.create(**req)
+        assert first.choices[0].message.content == second.choices[0].message.content
+        assert second.usage.prompt_tokens == first.usage.prompt_tokens > 512
+        assert second.usage.prompt_tokens_details.cached_tokens > 0
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key=KEY + "x", max_retries=0).models.list()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            pytest.fail(f"serve did not exit within 120 s of SIGTERM\n{err[-3000:]}")
+    # uvicorn drains, runs the shutdown (the KV save), then re-raises the signal it caught so the
+    # process ends the way an unhandled SIGTERM ends (what service managers expect)
+    assert proc.returncode in (0, -signal.SIGTERM), err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    from ds4_mlx.engine.kvstore_admin import list_entries
+
+    reasons = {f.entry.reason.name.lower() for f in list_entries(kv).files if f.entry is not None}
+    # the prompt's cold save happens during the request; the live session (prompt + answer) is
+    # stored with reason "shutdown" only if the SIGTERM path ran the backend's shutdown
+    assert "shutdown" in reasons, reasons
