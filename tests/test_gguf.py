@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import mmap
 import struct
-import time
 
 import gguf
 import numpy as np
@@ -287,15 +286,25 @@ def test_tiny_model_matches_gguf_py(tiny_model_path):
         assert len(f.metadata["tokenizer.ggml.merges"]) == 127741
 
 
-def test_tiny_model_opens_fast(tiny_model_path):
-    """The 257k tokenizer strings are parsed in one tight loop: ~0.07 s here, against 0.39 s when
-    each string went through the generic field reader; the bound sits between the two."""
-    GGUFFile(tiny_model_path).close()  # warm the page cache
-    best = min(_timed_open(tiny_model_path) for _ in range(3))
-    assert best < 0.3, f"opening the tiny model took {best:.3f} s"
+def test_tiny_model_opens_without_a_per_string_reader(tiny_model_path, monkeypatch):
+    """The 257k tokenizer strings are parsed in one tight loop (``_Cursor.string_array``): ~0.07 s
+    here, against 0.39 s when each string went through the generic reader ``_Cursor.string``. Counted,
+    not timed (a timing bound fails on a loaded machine): only keys and scalar strings may take the
+    generic path."""
+    from ds4_mlx.formats import gguf
 
+    calls = {"string": 0}
+    generic = gguf._Cursor.string
 
-def _timed_open(path) -> float:
-    t0 = time.perf_counter()
-    GGUFFile(path).close()
-    return time.perf_counter() - t0
+    def counting(self, what):
+        calls["string"] += 1
+        return generic(self, what)
+
+    monkeypatch.setattr(gguf._Cursor, "string", counting)
+    f = GGUFFile(tiny_model_path)
+    try:
+        n_strings = len(f.fields["tokenizer.ggml.tokens"].value) + len(f.fields["tokenizer.ggml.merges"].value)
+    finally:
+        f.close()
+    assert n_strings > 250_000
+    assert calls["string"] < 1_000, calls

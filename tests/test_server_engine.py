@@ -271,7 +271,7 @@ def test_disconnect_mid_stream_keeps_server_healthy_and_prefix_reusable(live, oa
     conn.close()
     t0 = time.monotonic()
     assert _wait_idle(live), "the generation was not cancelled after the client left"
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 30  # the 500 tokens asked for would take minutes
     status, _, payload = http(live.url, "GET", "/health")
     assert status == 200 and json.loads(payload)["status"] == "ok"
     r = oai.chat.completions.create(model="deepseek-chat", messages=body["messages"], max_tokens=1)
