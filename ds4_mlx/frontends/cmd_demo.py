@@ -68,5 +68,5 @@ def run(args) -> int:
     from ds4_mlx.frontends.cli import build_parser
 
     parsed = build_parser().parse_args(gen_args)
-    print(f"ds4-mlx demo: model {model.name}, prompt {args.prompt!r}", file=sys.stderr)
+    print(f"ds4-mlx demo: model {model}, prompt {args.prompt!r}", file=sys.stderr)
     return cmd_generate.run(parsed)
