@@ -17,7 +17,6 @@ computes only its new tokens (the stats line says how many were cached).
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import queue
 import select
@@ -28,6 +27,7 @@ import traceback
 from pathlib import Path
 
 import ds4_mlx
+from ds4_mlx.engine.engine import end_model_thread
 from ds4_mlx.errors import Ds4Error
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
@@ -64,7 +64,7 @@ class Worker(threading.Thread):
         except Exception:  # the UI must hear of it, or it would wait forever
             self.events.put(("fatal", traceback.format_exc()))
         finally:
-            gc.collect()  # free the MLX objects here, on the thread that made them
+            end_model_thread()  # free the MLX objects and end the streams here, on the thread that made them
             self.events.put(("closed", None))
 
     def _serve(self) -> None:

@@ -121,16 +121,21 @@ def test_server_backend_prefills_the_safe_ids(tiny_model_path):
     tok = Tokenizer.from_gguf(tiny_model_path)
     seen = {}
 
-    def fake_stream_generate(model, prompt, **kwargs):
-        seen["prompt"] = prompt
-        return iter(())
+    class Captured(Exception):
+        pass
+
+    class CapturingPool:  # the session pool is the first to receive the prompt ids
+        def prepare(self, prompt, **kwargs):
+            seen["prompt"] = prompt
+            raise Captured
 
     backend = object.__new__(EngineBackend)  # no model load: only the prompt wiring is under test
-    backend._api = fake_stream_generate
     backend.model = type("M", (), {"tokenizer": tok})()
+    backend.pool = CapturingPool()
     backend.ctx = 32768
     messages = [{"role": "user", "content": INJECTION}]
     req = ChatRequest(messages=messages, think=ThinkMode.HIGH)
-    list(backend._generate(req, threading.Event()))
+    with pytest.raises(Captured):
+        list(backend._generate(req, threading.Event()))
     assert seen["prompt"] == encode_request(tok, messages, think=ThinkMode.HIGH, ctx=32768)
     assert seen["prompt"] != tok.encode_rendered(render_request(messages))

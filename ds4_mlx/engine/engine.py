@@ -227,3 +227,19 @@ class Engine:
                     text = text[:-len(tail)]
                     break
         return self.tokenizer.encode_rendered(text) if tokenize else text
+
+
+def end_model_thread() -> None:
+    """Call last on a thread that loaded and ran a model, after dropping it: frees the MLX objects
+    that became unreachable and ends this thread's MLX streams.
+
+    MLX streams belong to the thread that created them. Left to interpreter exit, the objects are
+    freed on the main thread and the dead thread's stream is torn down late, which aborts the
+    process now and then ("terminate called without an active exception")."""
+    import gc
+
+    import mlx.core as mx
+
+    gc.collect()
+    mx.synchronize()
+    mx.clear_streams()

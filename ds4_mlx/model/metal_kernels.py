@@ -43,6 +43,7 @@ from ds4_mlx.errors import LayoutError
 from ds4_mlx.formats.ggml_types import BLOCK_GEOMETRY, GGMLType
 from ds4_mlx.formats.iq2xxs_tables import IQ2XXS_GRID
 from ds4_mlx.formats.quants_mlx import dequantize_rows_mlx
+from ds4_mlx.model.ops import DEFAULT_OPS
 
 # decode kernels: SIMD groups per threadgroup, output rows per SIMD group
 MATVEC_SIMDGROUPS = 4
@@ -256,10 +257,8 @@ def expert_matvec_kernel(slabs: mx.array, qtype: GGMLType, x: mx.array, slot, ro
 
 def swiglu_twin(gate: mx.array, up: mx.array, clamp: float) -> mx.array:
     """ds4's clamped SwiGLU, as ``ds4_mlx.model.moe`` applies it (DEFAULT numerics)."""
-    from ds4_mlx.model.numerics import Numerics, silu
-
     c = float(clamp)
-    return silu(mx.minimum(gate, c), Numerics.DEFAULT) * mx.clip(up, -c, c)
+    return DEFAULT_OPS.silu(mx.minimum(gate, c)) * mx.clip(up, -c, c)
 
 
 def _check_clamp(clamp) -> float:

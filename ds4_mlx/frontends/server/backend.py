@@ -312,12 +312,22 @@ class EngineBackend(Backend):
                                 min_evict_tokens=disk.options.min_tokens if disk is not None else 512)
 
     def _save_on_exit(self) -> None:
-        """ds4's shutdown save: every live session to the disk cache, reason "shutdown"."""
-        if self.pool is None:
-            return
-        self.shutdown_saves = self.pool.save_all("shutdown")
-        for res in self.shutdown_saves:
-            log.info("kv cache %s: %s tokens (shutdown) %s", res.status, res.tokens, res.path or res.detail)
+        """ds4's shutdown save: every live session to the disk cache, reason "shutdown"; then the
+        model is released here, on the worker thread that made it."""
+        try:
+            if self.pool is not None:
+                self.shutdown_saves = self.pool.save_all("shutdown")
+                for res in self.shutdown_saves:
+                    log.info("kv cache %s: %s tokens (shutdown) %s", res.status, res.tokens,
+                             res.path or res.detail)
+        finally:
+            self._release_mlx()
+
+    def _release_mlx(self) -> None:
+        from ds4_mlx.engine.engine import end_model_thread
+
+        self.pool = self.disk = self.model = None
+        end_model_thread()  # on the worker, the thread that made them (see its docstring)
 
     # -- one request -------------------------------------------------------------------------
 
