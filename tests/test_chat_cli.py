@@ -220,10 +220,7 @@ def test_line_reader_blocks_and_end_of_input():
 # through a terminal
 
 
-def test_pty_prompt_stream_ctrl_c_and_ctrl_d(tiny_model_path, tmp_path):
-    pexpect = pytest.importorskip("pexpect")
-    env = _env(tmp_path)
-    env["TERM"] = "xterm"
+def _pty_session(pexpect, tiny_model_path, env) -> tuple[int | None, str]:
     child = pexpect.spawn(sys.executable, ["-m", "ds4_mlx.frontends.cli", "chat", "-m", str(tiny_model_path),
                                            "-n", "400", "--temp", "0", "--nothink"],
                           env=env, encoding="utf-8", timeout=300, dimensions=(40, 200))
@@ -238,13 +235,26 @@ def test_pty_prompt_stream_ctrl_c_and_ctrl_d(tiny_model_path, tmp_path):
         assert int(child.match.group(1)) < 400
         child.expect_exact("ds4> ")
         child.send("half a line")
+        child.expect_exact("half a line")  # echoed: readline holds the line before Ctrl-C arrives
         child.sendintr()                   # Ctrl-C at the prompt: the line is dropped
         child.expect_exact("ds4> ")
         child.sendeof()                    # Ctrl-D: leave
         child.expect(pexpect.EOF)
     finally:
         child.close()
-    assert child.exitstatus == 0, log.getvalue()
-    text = log.getvalue()
+    return child.exitstatus, log.getvalue()
+
+
+def test_pty_prompt_stream_ctrl_c_and_ctrl_d(tiny_model_path, tmp_path):
+    """A terminal session. Terminal timing on a loaded 2-core machine is not ours to control, so a
+    session that times out is tried once more; a wrong answer or a second timeout fails."""
+    pexpect = pytest.importorskip("pexpect")
+    env = _env(tmp_path)
+    env["TERM"] = "xterm"
+    try:
+        status, text = _pty_session(pexpect, tiny_model_path, env)
+    except pexpect.TIMEOUT:
+        status, text = _pty_session(pexpect, tiny_model_path, env)
+    assert status == 0, text
     assert "Traceback" not in text and "partial answer stays" in text
     assert (tmp_path / "cache" / "ds4-mlx" / "chat_history").read_text().strip().endswith(U1)
