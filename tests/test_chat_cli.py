@@ -221,28 +221,29 @@ def test_line_reader_blocks_and_end_of_input():
 
 
 def _pty_session(pexpect, tiny_model_path, env) -> tuple[int | None, str]:
-    child = pexpect.spawn(sys.executable, ["-m", "ds4_mlx.frontends.cli", "chat", "-m", str(tiny_model_path),
-                                           "-n", "400", "--temp", "0", "--nothink"],
-                          env=env, encoding="utf-8", timeout=300, dimensions=(40, 200))
+    from pty_spawn import CTRL_C, CTRL_D, spawn
+
+    child = spawn([sys.executable, "-m", "ds4_mlx.frontends.cli", "chat", "-m", str(tiny_model_path),
+                   "-n", "400", "--temp", "0", "--nothink"], env=env)
     log = io.StringIO()
     child.logfile_read = log
     try:
         child.expect_exact("ds4> ")
         child.sendline(U1)
         child.expect_exact("Proposition")  # the streamed answer (the greedy text of this prompt)
-        child.sendintr()                   # Ctrl-C mid-answer: back to the prompt
+        child.send(CTRL_C)                 # Ctrl-C mid-answer: back to the prompt
         child.expect(r"generation: [0-9.]+ t/s \((\d+) tokens\)")
         assert int(child.match.group(1)) < 400
         child.expect_exact("ds4> ")
         child.send("half a line")
         child.expect_exact("half a line")  # echoed: readline holds the line before Ctrl-C arrives
-        child.sendintr()                   # Ctrl-C at the prompt: the line is dropped
+        child.send(CTRL_C)                 # Ctrl-C at the prompt: the line is dropped
         child.expect_exact("ds4> ")
-        child.sendeof()                    # Ctrl-D: leave
+        child.send(CTRL_D)                 # Ctrl-D: leave
         child.expect(pexpect.EOF)
     finally:
-        child.close()
-    return child.exitstatus, log.getvalue()
+        status = child.wait()
+    return status, log.getvalue()
 
 
 def test_pty_prompt_stream_ctrl_c_and_ctrl_d(tiny_model_path, tmp_path):

@@ -149,17 +149,18 @@ def test_app_timeout_cancels(tiny_model_path):
 
 def test_app_q_key_cancels_on_a_terminal(tiny_model_path):
     pexpect = pytest.importorskip("pexpect")
+    from pty_spawn import spawn  # a terminal without forking this (threaded) test process
+
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
-    child = pexpect.spawn(sys.executable, [str(APP), "--model", str(tiny_model_path), "-n", "100000",
-                                           "--think"], env=env, encoding="utf-8", timeout=300)
+    child = spawn([sys.executable, str(APP), "--model", str(tiny_model_path), "-n", "100000", "--think"], env=env)
     try:
         child.expect(r"\x1b\[2m")  # the first reasoning piece, dimmed: generation is under way
         child.send("q")
         child.expect(r"\[cancelled\] prompt: \d+ tokens")
         child.expect(pexpect.EOF)
     finally:
-        child.close(force=True)
-    assert child.exitstatus == 0
+        status = child.wait()
+    assert status == 0
 
 
 def test_app_bad_input_gets_one_line(tmp_path, tiny_model_path):

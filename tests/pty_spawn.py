@@ -1,0 +1,27 @@
+"""Terminal sessions for tests, started without forking the test process.
+
+pexpect.spawn forks the pytest process and runs Python in the child before exec; once earlier tests
+have loaded a model in-process, that process has MLX and OpenBLAS worker threads, and a fork taken
+while one of them holds a lock can leave the child stuck before exec (seen in CI: a chat session that
+printed nothing for 300 s). Here the process is started by subprocess (fork+exec in C), as a small
+single-threaded launcher that gives the program a real pseudo-terminal with ``pty.spawn`` and relays
+bytes; Ctrl-C and Ctrl-D are sent as the terminal characters they are (the pty's line discipline
+turns ^C into SIGINT for the program, as a real terminal does)."""
+
+from __future__ import annotations
+
+import sys
+
+from pexpect.popen_spawn import PopenSpawn
+
+_LAUNCHER = ("import os, pty, sys\n"
+             "status = pty.spawn(sys.argv[1:])\n"
+             "sys.exit(os.waitstatus_to_exitcode(status) if status is not None else 0)\n")
+
+CTRL_C, CTRL_D = "\x03", "\x04"
+
+
+def spawn(argv: list[str], env: dict, timeout: float = 300) -> PopenSpawn:
+    """A session running ``argv`` on a pseudo-terminal; use expect/send/sendline, and
+    ``send(CTRL_C)`` / ``send(CTRL_D)``. ``exitstatus`` after ``expect(pexpect.EOF)`` and ``wait()``."""
+    return PopenSpawn([sys.executable, "-c", _LAUNCHER, *argv], env=env, encoding="utf-8", timeout=timeout)
