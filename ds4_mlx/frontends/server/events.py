@@ -119,13 +119,17 @@ Event = Union[Prefill, Started, Reasoning, Content, ToolStart, ToolArgs, ToolEnd
 class BackendError(Exception):
     """A request the backend refuses before generating (context overflow, bad token...), or an
     internal failure.  ``status`` is the HTTP status; ``code``/``param``/``extra`` go into the
-    protocol's error body; the message is one line and never a traceback."""
+    protocol's error body, ``headers`` into the response; the message is one line and never a
+    traceback.  The HTTP side's own errors are the subclass ``http_errors.ApiError``, so both
+    reach the client through the same error body."""
 
     def __init__(self, status: int, message: str, *, code: str | None = None,
-                 param: str | None = None, extra: dict | None = None) -> None:
+                 param: str | None = None, headers: dict | None = None,
+                 extra: dict | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
         self.param = param
+        self.headers = headers or {}
         self.extra = extra or {}
