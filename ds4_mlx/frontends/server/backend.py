@@ -249,9 +249,6 @@ class _Abandoned(Exception):
     """Raised from the prefill hook when the client went away; the computed chunks stay live."""
 
 
-_CACHE_SOURCES = {"live": "live", "disk": "disk"}
-
-
 class EngineBackend(Backend):
     """The model behind the library API: ``ds4_mlx.load``, ``stream_generate`` and a
     :class:`~ds4_mlx.engine.session_pool.SessionPool` of live sessions (with the ``DiskCache``
@@ -386,7 +383,7 @@ class EngineBackend(Backend):
             yield Done("cancelled", error="cancelled during prefill")
             return
         t1 = time.monotonic()
-        yield Started(len(prompt), prep.cached, _CACHE_SOURCES.get(prep.source, "none"))
+        yield Started(len(prompt), prep.cached, prep.source)
         room = self.ctx - len(prep.prompt)
         max_tokens = max(0, min(req.max_tokens or room, room))
         tools = None if req.raw_output else req.tools
