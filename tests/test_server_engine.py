@@ -332,3 +332,40 @@ def test_restart_gets_disk_hit_and_tool_replay(tiny_model_path, tmp_path):
         assert s.app.state.server.replay.lookup([call.id]) == RAW_DSML  # restored from the KTM section
         # the shutdown checkpoint held the whole call: only the tool result is computed
         assert cached(r2.usage) >= r1.usage.prompt_tokens + r1.usage.completion_tokens - 1
+
+
+class _CountingList(list):
+    """A generated-ids list that counts the items a processor reads."""
+
+    reads = 0
+
+    def __getitem__(self, i):
+        _CountingList.reads += 1 if isinstance(i, int) else len(range(*i.indices(len(self))))
+        return super().__getitem__(i)
+
+    def __iter__(self):
+        for i in range(len(self)):
+            yield self[i]
+
+
+def test_forced_text_after_think_reads_each_token_once():
+    """ForcedText forces its tokens right after the first </think> and, called once per decoded
+    token, does not rescan the whole generation each time (quadratic over a long reasoning)."""
+    import numpy as np
+
+    think_close, forced = 7, [40, 41]
+    proc = ForcedText(forced, think_close_id=think_close)
+    logits = np.zeros(50, dtype=np.float32)
+    gen = _CountingList()
+    for t in [3] * 2000 + [think_close]:
+        assert np.isfinite(proc(gen, logits)).all()  # nothing forced inside the reasoning
+        gen.append(t)
+    for want in forced:
+        out = proc(gen, logits)
+        assert int(np.argmax(out)) == want and np.isinf(out).sum() == len(logits) - 1
+        gen.append(want)
+    assert np.isfinite(proc(gen, logits)).all()  # done: free again
+    assert _CountingList.reads < 3 * len(gen)
+    # the same processor on a new generation starts over
+    fresh = _CountingList([think_close])
+    assert int(np.argmax(proc(fresh, logits))) == forced[0]

@@ -124,3 +124,29 @@ def test_prefill_abandon_keeps_computed_tokens():
     with pytest.raises(KeyboardInterrupt):
         p.prepare([5, 6, 7], on_prefill=stop)
     assert p.slots[0].session.tokens == [5, 6, 7] and p.slots[0].session.on_prefill is None
+
+
+class FakeTokenizer:
+    """Bytes per id: 2 is the control token "<C>", 14 spells the same characters as plain text."""
+
+    TEXT = {2: b"<C>", 10: b"ab", 11: b"a", 12: b"b", 13: b"c", 14: b"<C>", 15: b"bc"}
+
+    def token_text(self, t):
+        return self.TEXT[t]
+
+    def decode_bytes(self, ids):
+        return b"".join(self.TEXT[t] for t in ids)
+
+
+def test_rendered_text_rung_continues_another_tokenization():
+    p = pool(tokenizer=FakeTokenizer(), control_ids=frozenset({2}))
+    p.prepare([2, 10])                    # the live tokens spell "<C>ab"
+    b = p.prepare([2, 11, 12, 13])        # the client's ids for "<C>" "a" "b" "c"
+    assert b.rung == "text" and b.prompt == [2, 10, 13]
+    assert b.cached == 3 and b.slot.session.computed == 2 + 1
+    p2 = pool(tokenizer=FakeTokenizer(), control_ids=frozenset({2}))
+    p2.prepare([14, 10])                  # typed "<C>" is not the control token
+    assert p2.prepare([2, 11, 12, 13]).rung == "cold"
+    p3 = pool(tokenizer=FakeTokenizer(), control_ids=frozenset({2}))
+    p3.prepare([2, 10])
+    assert p3.prepare([2, 11, 15]).rung == "cold"  # "<C>ab" ends inside the prompt's token "bc"

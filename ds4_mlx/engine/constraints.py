@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ds4_mlx.chat.dsml import FULL
+from ds4_mlx.chat.dsml import FULL, escape_attr
 from ds4_mlx.chat.template import THINK_CLOSE
 from ds4_mlx.errors import InferenceError
 
@@ -31,14 +31,25 @@ class ForcedText:
         if not self.tokens:
             raise InferenceError("a forced text needs at least one token")
         self.think_close_id = think_close_id
+        self._searched = 0                  # tokens already searched for the first </think>
+        self._after_think: int | None = None
 
     def _start(self, generated: Sequence[int]) -> int | None:
+        """Index after the first ``</think>``.  Called once per decoded token, so the search
+        resumes where the last call stopped instead of rescanning the whole generation; a list
+        shorter than the searched part is a new generation and restarts it."""
         if self.think_close_id is None:
             return 0
-        for i, t in enumerate(generated):
-            if t == self.think_close_id:
-                return i + 1
-        return None
+        n = len(generated)
+        if n < self._searched:
+            self._searched, self._after_think = 0, None
+        if self._after_think is None:
+            for i in range(self._searched, n):
+                if generated[i] == self.think_close_id:
+                    self._after_think = i + 1
+                    break
+            self._searched = n
+        return self._after_think
 
     def __call__(self, generated: Sequence[int], logits: np.ndarray) -> np.ndarray:
         start = self._start(generated)
@@ -63,8 +74,6 @@ def tool_choice_processor(tokenizer, tool_choice, *, thinking: bool) -> ForcedTe
     if tool_choice == "required":
         text = head
     elif isinstance(tool_choice, dict) and isinstance(tool_choice.get("name"), str) and tool_choice["name"]:
-        from ds4_mlx.chat.dsml import escape_attr
-
         text = head + escape_attr(tool_choice["name"]) + '">\n'
     else:
         raise InferenceError(f"tool_choice must be 'auto', 'none', 'required' or {{'name': N}}, got {tool_choice!r}")

@@ -107,25 +107,28 @@ class SessionPool:
             return 0
         return len(v)
 
-    def _reuse(self, slot: Slot, prompt: Sequence[int]) -> int:
+    def _reuse(self, slot: Slot, prompt: Sequence[int], memo: dict) -> int:
         """Tokens of ``prompt`` this slot could serve without computing them (an estimate for
         choosing: the exact count comes from the sync)."""
         s = slot.session
         common = s.common_prefix(prompt)
         best = common if common == s.pos else max([p for p in s.checkpoints() if p <= common] + [0])
-        return max(best, self._visible_match(slot, prompt), self._text_match(slot, prompt)[0])
+        return max(best, self._visible_match(slot, prompt), self._text_match(slot, prompt, memo)[0])
 
     def choose(self, prompt: Sequence[int], session_id: str | None = None) -> Slot:
         """The slot for ``prompt``: the named one (created if new), else the one whose
         conversation it continues (reusing the most); a prompt that continues none gets a free
         slot while there is one, else the least recently used one, so a sub-agent sharing only a
         system prompt with the main thread never overwrites the main thread's KV."""
+        return self._choose(prompt, session_id, {})
+
+    def _choose(self, prompt: Sequence[int], session_id: str | None, memo: dict) -> Slot:
         if session_id is not None:
             for slot in self.slots:
                 if slot.name == session_id:
                     return slot
             return self._fresh(session_id)
-        scored = [(self._reuse(s, prompt), s.used, s) for s in self.slots if s.name is None]
+        scored = [(self._reuse(s, prompt, memo), s.used, s) for s in self.slots if s.name is None]
         if scored:
             reuse, _, best = max(scored, key=lambda t: (t[0], t[1]))
             # it continues that conversation when it reuses at least its last prompt (a resend,
@@ -149,35 +152,46 @@ class SessionPool:
 
     # -- rung 3: rendered-text prefix -------------------------------------------------------------
 
-    def _layout(self, tokens: Sequence[int]):
-        ends, controls, pos = [], [], 0
+    def _layout(self, tokens: Sequence[int]) -> tuple[bytes, list[int], list[tuple[int, int]]]:
+        """The bytes ``tokens`` spell, each token's end offset, and (offset, id) of the control
+        tokens: one pass over the token texts."""
+        parts, ends, controls, pos = [], [], [], 0
         for t in tokens:
+            text = self.tokenizer.token_text(t)
             if t in self.control_ids:
                 controls.append((pos, t))
-            pos += len(self.tokenizer.token_text(t))
+            parts.append(text)
+            pos += len(text)
             ends.append(pos)
-        return ends, controls
+        return b"".join(parts), ends, controls
 
-    def _text_match(self, slot: Slot, prompt: Sequence[int]) -> tuple[int, int]:
+    def _text_match(self, slot: Slot, prompt: Sequence[int], memo: dict) -> tuple[int, int]:
         """(prompt tokens covered, live tokens) when the live tokens spell a byte prefix of the
-        prompt ending on a prompt token boundary with identical control tokens; else (0, 0)."""
+        prompt ending on a prompt token boundary with identical control tokens; else (0, 0).
+        ``memo`` (one per prepare) keeps the prompt's layout and each slot's answer, so choosing
+        a slot and then preparing it lays the prompt out once."""
         if self.tokenizer is None:
             return 0, 0
+        if slot in memo:
+            return memo[slot]
         live = slot.session.tokens
+        memo[slot] = (0, 0)
         if not live or slot.session.common_prefix(prompt) == len(live):
-            return 0, 0  # empty, or already a token prefix (rung 1)
-        tok = self.tokenizer
-        live_b = tok.decode_bytes(live)
+            return memo[slot]  # empty, or already a token prefix (rung 1)
+        if "prompt" not in memo:
+            memo["prompt"] = self._layout(prompt)
+        prompt_b, ends, controls = memo["prompt"]
+        live_b, _, live_controls = self._layout(live)
         n = len(live_b)
-        if not tok.decode_bytes(prompt).startswith(live_b):
-            return 0, 0
-        ends, controls = self._layout(prompt)
+        if not prompt_b.startswith(live_b):
+            return memo[slot]
         cut = bisect.bisect_left(ends, n)
         if cut >= len(ends) - 1 or ends[cut] != n:
-            return 0, 0  # ends inside a token (continuing would re-tokenize), or nothing after it
-        if self._layout(live)[1] != [c for c in controls if c[0] < n]:
-            return 0, 0  # typed marker characters are not markers
-        return cut + 1, len(live)
+            return memo[slot]  # ends inside a token (continuing would re-tokenize), or nothing after it
+        if live_controls != [c for c in controls if c[0] < n]:
+            return memo[slot]  # typed marker characters are not markers
+        memo[slot] = (cut + 1, len(live))
+        return memo[slot]
 
     # -- preparing a request ------------------------------------------------------------------------
 
@@ -189,7 +203,8 @@ class SessionPool:
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise PoolError("the prompt is empty")
-        slot = self.choose(prompt, session_id)
+        memo: dict = {}
+        slot = self._choose(prompt, session_id, memo)
         self._touch(slot)
         s = slot.session
         effective, rung_hint, hint_live = prompt, None, 0
@@ -198,7 +213,7 @@ class SessionPool:
             live = list(slot.visible_live)
             effective, rung_hint, hint_live = live + [self.eos_id] + prompt[vis:], "visible", len(live)
         else:
-            n_prompt, n_live = self._text_match(slot, prompt)
+            n_prompt, n_live = self._text_match(slot, prompt, memo)
             if n_prompt:
                 effective = s.tokens + prompt[n_prompt:]
                 rung_hint, hint_live = "text", n_live

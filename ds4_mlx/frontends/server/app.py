@@ -201,10 +201,10 @@ class Server:
         watcher = asyncio.create_task(self._watch_disconnect(request, turn))
         try:
             first = await turn.__anext__()
-        except BackendError as exc:
+        except BackendError:
             turn.done = True
             watcher.cancel()
-            raise ApiError(exc.status, exc.message, code=exc.code, param=exc.param, extra=exc.extra) from None
+            raise
         except BaseException:
             watcher.cancel()
             turn.close()
@@ -232,9 +232,9 @@ class Server:
             async for ev in turn:
                 if isinstance(ev, Tick) or not isinstance(ev, Done):
                     continue
-        except BackendError as exc:
+        except BackendError:
             turn.done = True
-            raise ApiError(exc.status, exc.message, code=exc.code, param=exc.param, extra=exc.extra) from None
+            raise
         finally:
             watcher.cancel()
             turn.close()
@@ -264,7 +264,7 @@ def _wrap(server: Server, fn):
         protocol = protocol_of_path(request.url.path)
         try:
             response = await fn(request)
-        except ApiError as err:
+        except BackendError as err:  # ApiError included
             response = error_response(err, protocol)
         except Exception:
             log.exception("unhandled error in %s", request.url.path)

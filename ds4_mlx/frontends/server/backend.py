@@ -249,9 +249,6 @@ class _Abandoned(Exception):
     """Raised from the prefill hook when the client went away; the computed chunks stay live."""
 
 
-_CACHE_SOURCES = {"live": "live", "disk": "disk"}
-
-
 class EngineBackend(Backend):
     """The model behind the library API: ``ds4_mlx.load``, ``stream_generate`` and a
     :class:`~ds4_mlx.engine.session_pool.SessionPool` of live sessions (with the ``DiskCache``
@@ -365,13 +362,7 @@ class EngineBackend(Backend):
 
     def _generate(self, req: ChatRequest, cancel: threading.Event) -> Iterator[Event]:
         import ds4_mlx
-        from ds4_mlx.chat.dsml_stream import (
-            ContentDelta,
-            ReasoningDelta,
-            ToolCallArgumentsDelta,
-            ToolCallEnd,
-            ToolCallStart,
-        )
+        from ds4_mlx.chat.dsml_stream import ToolCallEnd, ToolCallStart
         from ds4_mlx.chat.request import encode_request
 
         prompt = encode_request(self.model.tokenizer, req.messages, req.tools, req.tool_choice,
@@ -392,7 +383,7 @@ class EngineBackend(Backend):
             yield Done("cancelled", error="cancelled during prefill")
             return
         t1 = time.monotonic()
-        yield Started(len(prompt), prep.cached, _CACHE_SOURCES.get(prep.source, "none"))
+        yield Started(len(prompt), prep.cached, prep.source)
         room = self.ctx - len(prep.prompt)
         max_tokens = max(0, min(req.max_tokens or room, room))
         tools = None if req.raw_output else req.tools
@@ -411,16 +402,14 @@ class EngineBackend(Backend):
                     yield Content(ev.text)
             else:
                 for d in ev.deltas:
-                    if isinstance(d, ReasoningDelta) and d.text:
-                        yield Reasoning(d.text)
-                    elif isinstance(d, ContentDelta) and d.text:
-                        yield Content(d.text)
-                    elif isinstance(d, ToolCallStart):
+                    if isinstance(d, ToolCallStart):
                         yield ToolStart(d.index, d.name)
-                    elif isinstance(d, ToolCallArgumentsDelta) and d.fragment:
-                        yield ToolArgs(d.index, d.fragment)
                     elif isinstance(d, ToolCallEnd):
                         yield ToolEnd(d.index, d.call.name, d.call.arguments)
+                    elif isinstance(d, ToolArgs) and d.fragment:
+                        yield d
+                    elif isinstance(d, (Reasoning, Content)) and d.text:
+                        yield d  # (StreamEnd is not forwarded: the done event carries the result)
             if kind == "done":
                 res = ev.result
                 n_out = res.stats.generation_tokens

@@ -6,6 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+# Text and argument fragments are the chat stream parser's own events, passed through as they
+# come; only the tool-call start and end differ here (the server gives each call its id).
+from ds4_mlx.chat.dsml_stream import ContentDelta as Content
+from ds4_mlx.chat.dsml_stream import ReasoningDelta as Reasoning
+from ds4_mlx.chat.dsml_stream import ToolCallArgumentsDelta as ToolArgs  # fragments add up to ToolEnd.arguments
 from ds4_mlx.chat.template import ThinkMode
 
 
@@ -65,30 +70,12 @@ class Started:
 
 
 @dataclass(frozen=True)
-class Reasoning:
-    text: str
-
-
-@dataclass(frozen=True)
-class Content:
-    text: str
-
-
-@dataclass(frozen=True)
 class ToolStart:
     """The invoke tag of call ``index`` is complete; ``id`` is filled in by the server."""
 
     index: int
     name: str
     id: str | None = None
-
-
-@dataclass(frozen=True)
-class ToolArgs:
-    """A fragment of the call's JSON arguments; fragments concatenate to ``ToolEnd.arguments``."""
-
-    index: int
-    fragment: str
 
 
 @dataclass(frozen=True)
@@ -119,13 +106,17 @@ Event = Union[Prefill, Started, Reasoning, Content, ToolStart, ToolArgs, ToolEnd
 class BackendError(Exception):
     """A request the backend refuses before generating (context overflow, bad token...), or an
     internal failure.  ``status`` is the HTTP status; ``code``/``param``/``extra`` go into the
-    protocol's error body; the message is one line and never a traceback."""
+    protocol's error body, ``headers`` into the response; the message is one line and never a
+    traceback.  The HTTP side's own errors are the subclass ``http_errors.ApiError``, so both
+    reach the client through the same error body."""
 
     def __init__(self, status: int, message: str, *, code: str | None = None,
-                 param: str | None = None, extra: dict | None = None) -> None:
+                 param: str | None = None, headers: dict | None = None,
+                 extra: dict | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
         self.param = param
+        self.headers = headers or {}
         self.extra = extra or {}

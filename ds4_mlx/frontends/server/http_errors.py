@@ -10,6 +10,8 @@ import json
 
 from starlette.responses import Response
 
+from ds4_mlx.frontends.server.events import BackendError
+
 OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
                 405: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
                 422: "invalid_request_error", 429: "rate_limit_error", 503: "server_error",
@@ -20,23 +22,15 @@ ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 40
                    503: "overloaded_error", 500: "api_error"}
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
-                 headers: dict | None = None, extra: dict | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
-        self.param = param
-        self.headers = headers or {}
-        self.extra = extra or {}
+class ApiError(BackendError):
+    """An error the HTTP side finds itself (body, limits, auth, routing, queue)."""
 
 
 def protocol_of_path(path: str) -> str:
     return "anthropic" if path.startswith("/v1/messages") else "openai"
 
 
-def error_body(err: ApiError, protocol: str) -> dict:
+def error_body(err: BackendError, protocol: str) -> dict:
     if protocol == "anthropic":
         inner = {"type": ANTHROPIC_TYPES.get(err.status, "api_error"), "message": err.message}
         if err.code:
@@ -52,7 +46,7 @@ def error_body(err: ApiError, protocol: str) -> dict:
     return {"error": inner}
 
 
-def error_response(err: ApiError, protocol: str, extra_headers: dict | None = None) -> Response:
+def error_response(err: BackendError, protocol: str, extra_headers: dict | None = None) -> Response:
     headers = dict(extra_headers or {})
     headers.update(err.headers)
     return Response(json.dumps(error_body(err, protocol), ensure_ascii=False),

@@ -122,18 +122,24 @@ def _common(body: Mapping, limits: Limits, max_keys: tuple[str, ...], stop_key: 
     )
 
 
-def _check_count(messages: list, limits: Limits, key: str) -> None:
-    if len(messages) > limits.max_messages:
-        raise ApiError(413, f"{key}: {len(messages)} items, the limit is {limits.max_messages}",
+def _transcript(items, limits: Limits, key: str) -> list:
+    """The request's ``key`` array: present, non-empty, within ``--max-messages``."""
+    if not isinstance(items, list) or not items:
+        raise bad(f"missing {key}", key)
+    if len(items) > limits.max_messages:
+        raise ApiError(413, f"{key}: {len(items)} items, the limit is {limits.max_messages}",
                        param=key)
+    return items
 
 
-def _tools(value, key: str = "tools") -> list | None:
-    if value is None:
-        return None
-    if not isinstance(value, list) or not all(isinstance(t, Mapping) for t in value):
-        raise bad(f"{key} must be an array of objects", key)
-    return list(value) or None
+def _tool_fields(body: Mapping, choice) -> dict:
+    """``tools`` and ``tool_choice`` of a ChatRequest; "none" drops the tools (no tools prompt,
+    as ds4)."""
+    tools = body.get("tools")
+    if tools is not None and (not isinstance(tools, list)
+                              or not all(isinstance(t, Mapping) for t in tools)):
+        raise bad("tools must be an array of objects", "tools")
+    return {"tools": None if choice == "none" else (list(tools or ()) or None), "tool_choice": choice}
 
 
 def _text(value, where: str) -> str:
@@ -179,17 +185,12 @@ def _openai_messages(messages) -> list[dict]:
 
 def parse_chat(body, limits: Limits, headers: Mapping = {}) -> Parsed:
     body = _object(body)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad("missing messages", "messages")
-    _check_count(messages, limits, "messages")
+    messages = _transcript(body.get("messages"), limits, "messages")
     requested, think = _think(body, limits.ctx)
-    choice = _openai_tool_choice(body.get("tool_choice"))
-    tools = _tools(body.get("tools"))
+    tool_fields = _tool_fields(body, _openai_tool_choice(body.get("tool_choice")))
     so = body.get("stream_options")
     include_usage = isinstance(so, Mapping) and so.get("include_usage") is True
-    req = ChatRequest(messages=_openai_messages(messages), tools=None if choice == "none" else tools,
-                      tool_choice=choice, think=think,
+    req = ChatRequest(messages=_openai_messages(messages), think=think, **tool_fields,
                       **_common(body, limits, ("max_tokens", "max_completion_tokens"), "stop", headers))
     return Parsed(req, requested, include_usage=include_usage)
 
@@ -309,17 +310,13 @@ def _anthropic_messages(messages) -> list[dict]:
 
 def parse_messages(body, limits: Limits, headers: Mapping = {}) -> Parsed:
     body = _object(body)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad("missing messages", "messages")
-    _check_count(messages, limits, "messages")
+    messages = _transcript(body.get("messages"), limits, "messages")
     requested, think = _think(body, limits.ctx)
-    choice = _anthropic_tool_choice(body.get("tool_choice"))
-    tools = _tools(body.get("tools"))
+    tool_fields = _tool_fields(body, _anthropic_tool_choice(body.get("tool_choice")))
     system = _anthropic_system(body.get("system"))
     msgs = ([{"role": "system", "content": system}] if system else []) + _anthropic_messages(messages)
-    req = ChatRequest(messages=msgs, tools=None if choice == "none" else tools, tool_choice=choice,
-                      think=think, **_common(body, limits, ("max_tokens",), "stop_sequences", headers))
+    req = ChatRequest(messages=msgs, think=think, **tool_fields,
+                      **_common(body, limits, ("max_tokens",), "stop_sequences", headers))
     return Parsed(req, requested)
 
 
@@ -414,12 +411,9 @@ def parse_responses(body, limits: Limits, headers: Mapping = {}) -> Parsed:
     items = body.get("input")
     if isinstance(items, str):
         items = [{"role": "user", "content": items}]
-    if not isinstance(items, list) or not items:
-        raise bad("missing input", "input")
-    _check_count(items, limits, "input")
+    items = _transcript(items, limits, "input")
     requested, think = _think(body, limits.ctx)
-    choice = _responses_tool_choice(body.get("tool_choice"))
-    tools = _tools(body.get("tools"))
+    tool_fields = _tool_fields(body, _responses_tool_choice(body.get("tool_choice")))
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise bad("instructions must be a string", "instructions")
@@ -428,7 +422,6 @@ def parse_responses(body, limits: Limits, headers: Mapping = {}) -> Parsed:
         raise bad("missing input", "input")
     reasoning = body.get("reasoning")
     include_reasoning = isinstance(reasoning, Mapping) and reasoning.get("summary") is not None
-    req = ChatRequest(messages=msgs, tools=None if choice == "none" else tools, tool_choice=choice,
-                      think=think,
+    req = ChatRequest(messages=msgs, think=think, **tool_fields,
                       **_common(body, limits, ("max_output_tokens", "max_tokens"), "stop", headers))
     return Parsed(req, requested, include_reasoning=include_reasoning)
