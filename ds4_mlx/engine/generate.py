@@ -41,7 +41,7 @@ import numpy as np
 from ds4_mlx.chat.dsml_stream import DsmlStreamParser, StreamEnd, ToolCallEnd
 from ds4_mlx.chat.messages import ToolCall
 from ds4_mlx.chat.template import DEFAULT_SYSTEM, THINK_CLOSE, THINK_OPEN, ThinkMode, resolve_think_mode
-from ds4_mlx.engine.sampling import SamplingParams, XorShiftRng, argmax, sample, top_logprobs
+from ds4_mlx.engine.sampling import SamplingParams, XorShiftRng, argmax, sample, token_logprob, top_logprobs
 from ds4_mlx.errors import InferenceError
 from ds4_mlx.tokenizer.utf8_stream import Utf8StreamDecoder
 
@@ -446,7 +446,6 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
         return [first] + [GenerationEvent("tool_call", tool_call=c) for c in calls[1:]]
 
     t_decode = time.perf_counter()
-    pending: list[tuple[str, object]] = []
     try:
         while finish is None:
             if cancelled():
@@ -466,8 +465,6 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
                 top = tuple(_token_logprob(tokenizer, s) for s in scores)
                 lp = next((s.logprob for s in scores if s.id == token), None)
                 if lp is None:
-                    from ds4_mlx.engine.sampling import token_logprob
-
                     lp = token_logprob(logits, token).logprob
             if token == eos:
                 finish = "stop"
@@ -492,18 +489,13 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
                 res = kv_cache.after_eval(session)
                 if res is not None:
                     stats.cache.append(_save_line(res))
-                    pending.append((stats.cache[-1], res))
-            for line, rep in pending:
-                yield GenerationEvent("cache", line, report=rep)
-            pending.clear()
+                    yield GenerationEvent("cache", stats.cache[-1], report=res)
     except KeyboardInterrupt:
         finish = "cancelled"
     stats.decode_s = time.perf_counter() - t_decode
     stats.generation_tokens = len(generated)
 
     # -- end --
-    for line, rep in pending:
-        yield GenerationEvent("cache", line, report=rep)
     tail, hit = stopper.feed(decoder.flush())
     if hit and finish != "cancelled":
         finish = "stop"
