@@ -282,9 +282,10 @@ def _token_logprob(tokenizer, score) -> TokenLogprob:
     return TokenLogprob(score.id, raw.decode("utf-8", errors="replace"), raw, score.logprob, score.logit)
 
 
-def _peak_rss() -> int:
-    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return kb if sys.platform == "darwin" else kb * 1024  # macOS reports bytes, Linux KiB
+def peak_rss_bytes() -> int:
+    """The process's peak resident set in bytes (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
 def _save_line(res) -> str:
@@ -516,7 +517,7 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
         error = "the generated tool call block is malformed or unterminated"
     elif finish == "stop" and message.tool_calls:
         finish = "tool_calls"
-    stats.peak_rss_bytes = _peak_rss()
+    stats.peak_rss_bytes = peak_rss_bytes()
     stats.peak_mlx_bytes = int(mx.get_peak_memory())
     result = GenerationResult(text="".join(pieces), reasoning=message.reasoning, content=message.content,
                               tool_calls=tuple(message.tool_calls), tokens=generated, finish_reason=finish,
