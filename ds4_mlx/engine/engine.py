@@ -167,8 +167,7 @@ class Engine:
 
         if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
             raise InferenceError(f"prefill chunk must be an integer >= 1, got {chunk!r}")
-        return Session(self.network, self.default_ctx() if ctx is None else ctx, chunk=chunk or DEFAULT_CHUNK,
-                       model_id=self._model_id, **options)
+        return Session(self, self.default_ctx() if ctx is None else ctx, chunk=chunk or DEFAULT_CHUNK, **options)
 
     # -- prompts -------------------------------------------------------------------------------------
 
