@@ -397,9 +397,10 @@ class Session:
         return self._rt.nbytes()
 
     def __repr__(self) -> str:
-        mib = self.memory_bytes() / (1 << 20)
+        from ds4_mlx.engine.describe import mib
+
         return (f"Session(ctx={self.ctx}, tokens={self.pos}, chunk={self.chunk}, "
-                f"memory={mib:.1f} MiB, checkpoints={len(self._auto) + len(self._kept)})")
+                f"memory={mib(self.memory_bytes())}, checkpoints={len(self._auto) + len(self._kept)})")
 
     def _repr_html_(self) -> str:
         """The notebook view: tokens held against the context, memory, checkpoints."""
