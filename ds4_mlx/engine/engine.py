@@ -24,7 +24,7 @@ from ds4_mlx.chat.template import (
     encode_chat_prompt,
     render_messages,
 )
-from ds4_mlx.errors import ChatError, Ds4Error, InferenceError
+from ds4_mlx.errors import ChatError, InferenceError
 from ds4_mlx.tokenizer import Tokenizer
 
 BOS_TEXT = BOS
@@ -32,20 +32,13 @@ BOS_TEXT = BOS
 
 def resolve_model_path(path_or_repo: str | os.PathLike) -> Path:
     """A local path as is; ``hf:REPO/FILE`` through ``ds4_mlx.hub.resolve_model`` (imported only
-    then, so the rest works without that module)."""
+    then: a local model never loads the hub client)."""
     spec = os.fspath(path_or_repo)
     if not spec.startswith("hf:"):
         return Path(spec)
-    import importlib
+    from ds4_mlx.hub import resolve_model
 
-    try:
-        hub = importlib.import_module("ds4_mlx.hub")
-    except ModuleNotFoundError as exc:
-        if exc.name != "ds4_mlx.hub":
-            raise
-        raise Ds4Error(f"cannot resolve {spec!r}: Hugging Face model specs need ds4_mlx.hub, which this "
-                       f"build does not have; pass a local GGUF path instead") from None
-    return Path(hub.resolve_model(spec))
+    return Path(resolve_model(spec))
 
 
 def as_think_mode(think) -> ThinkMode:
