@@ -46,7 +46,6 @@ from ds4_mlx.errors import InferenceError
 from ds4_mlx.tokenizer.utf8_stream import Utf8StreamDecoder
 
 MAX_LOGPROBS = 128  # ds4's cap on --dump-logprobs alternatives
-FINISH_REASONS = ("stop", "length", "tool_calls", "cancelled", "error")
 
 
 class GenerationError(InferenceError):
@@ -134,7 +133,7 @@ class GenerationResult:
     content: str
     tool_calls: tuple[ToolCall, ...]
     tokens: list[int]               # generated token ids (EOS excluded)
-    finish_reason: str
+    finish_reason: str              # stop | length | tool_calls | cancelled | error
     stats: GenerationStats
     prompt_tokens: list[int] = field(default_factory=list, repr=False)
     raw_dsml: str | None = None     # the exact sampled tool block (what ds4 replays in a later request)
