@@ -27,8 +27,6 @@ from ds4_mlx.chat.template import (
 from ds4_mlx.errors import ChatError, InferenceError
 from ds4_mlx.tokenizer import Tokenizer
 
-BOS_TEXT = BOS
-
 
 def resolve_model_path(path_or_repo: str | os.PathLike) -> Path:
     """A local path as is; ``hf:REPO/FILE`` through ``ds4_mlx.hub.resolve_model`` (imported only
@@ -171,7 +169,7 @@ class Engine:
         ``raw`` (or text that already starts with the BOS marker, as ds4 detects) tokenizes the text
         as a rendered prompt with the special markers recognised; otherwise the CLI chat template.
         """
-        if raw or text.startswith(BOS_TEXT):
+        if raw or text.startswith(BOS):
             return self.tokenizer.encode_rendered(text)
         return encode_chat_prompt(self.tokenizer, text, system=system or "", think=think, ctx=ctx)
 
