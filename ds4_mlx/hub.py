@@ -174,8 +174,7 @@ def download(target: Target | str, dir: str | os.PathLike | None = None, token: 
     fetched, integrity = False, ""
     if path is None:
         if _offline():
-            raise HubError(f"{t.filename} is not on disk and HF_HUB_OFFLINE is set: unset it to download, "
-                           f"or download the file elsewhere and pass its path")
+            raise _offline_error(t)
         remote = _remote(t, token, endpoint)
         path, integrity = _fetch(t, remote, local_dir, token, progress, endpoint)
         fetched = True
@@ -248,7 +247,7 @@ def _remote(t: Target, token: str | None, endpoint: str | None) -> _Remote:
         meta = get_hf_file_metadata(url, token=token)
     except Exception as exc:  # every hub or transport failure becomes one clear line
         raise _as_hub_error(exc, t, endpoint) from None
-    host = endpoint or os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    host = _host(endpoint)
     missing = [name for name, v in (("ETag", meta.etag), ("X-Repo-Commit", meta.commit_hash), ("size", meta.size))
                if not v and v != 0]
     if missing:
@@ -531,15 +530,14 @@ def _as_hub_error(exc: BaseException, t: Target, endpoint: str | None) -> HubErr
     from huggingface_hub import errors as hf_errors
 
     what = f"{t.repo}/{t.filename}"
-    host = endpoint or os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    host = _host(endpoint)
     # hf_hub_download reports a failed metadata request as "not found locally", caused by the real error.
     if isinstance(exc, hf_errors.LocalEntryNotFoundError) and exc.__cause__ is not None:
         exc = exc.__cause__
     status = getattr(getattr(exc, "response", None), "status_code", None)
 
     if isinstance(exc, hf_errors.OfflineModeIsEnabled):
-        return HubError(f"{t.filename} is not on disk and HF_HUB_OFFLINE is set: unset it to download, "
-                        f"or download the file elsewhere and pass its path")
+        return _offline_error(t)
     if isinstance(exc, hf_errors.GatedRepoError):
         return HubError(f"{t.repo} is gated: accept its terms at https://huggingface.co/{t.repo} and set HF_TOKEN "
                         f"(or --token) to a token of that account")
@@ -567,9 +565,19 @@ def _as_hub_error(exc: BaseException, t: Target, endpoint: str | None) -> HubErr
     return HubError(f"download of {what} failed: {type(exc).__name__}: {_one_line(exc)}")
 
 
+def _offline_error(t: Target) -> HubError:
+    return HubError(f"{t.filename} is not on disk and HF_HUB_OFFLINE is set: unset it to download, "
+                    f"or download the file elsewhere and pass its path")
+
+
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _host(endpoint: str | None) -> str:
+    """The hub named in messages: ``endpoint`` (download() fills it from HF_ENDPOINT), else huggingface.co."""
+    return endpoint or os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
 
 
 def _gb(n: int) -> str:

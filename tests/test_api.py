@@ -226,12 +226,24 @@ def test_hostile_model_and_session(model, tiny_model_path):
         ds4_mlx.generate(model, "Hello", session=model.new_session(ctx=64), ctx=128)
 
 
+def test_model_id_is_computed_once_per_model_and_never_at_session_creation(model, monkeypatch):
+    """The model id reads ~80 MB of the real GGUF: the sessions of one model share the model's, and
+    nothing computes it before a payload or a KV cache needs it."""
+    from ds4_mlx.engine import payload
+
+    calls = []
+    real = payload.model_fingerprint
+    monkeypatch.setattr(payload, "model_fingerprint", lambda f: calls.append(f) or real(f))
+    fresh = ds4_mlx.Engine(model.network, model.tokenizer, model.path)  # nothing computed yet
+    a, b = fresh.new_session(ctx=32), ds4_mlx.Session(fresh, 32)
+    assert calls == []
+    assert a.model_id == b.model_id == fresh.model_id and len(fresh.model_id) == 32
+    assert len(calls) == 1
+
+
 def test_hf_specs_go_through_the_hub(tiny_model_path, monkeypatch):
     import types
 
-    monkeypatch.setitem(sys.modules, "ds4_mlx.hub", None)  # a build without ds4_mlx.hub
-    with pytest.raises(Ds4Error, match="need ds4_mlx.hub"):
-        ds4_mlx.load("hf:someone/repo/model.gguf")
     asked = []
     fake = types.ModuleType("ds4_mlx.hub")
     fake.resolve_model = lambda spec: asked.append(spec) or tiny_model_path

@@ -18,10 +18,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from ds4_mlx.engine import kvstore
-from ds4_mlx.engine.kvstore import KVStore, SaveReason, key_for_text, key_for_tokens, read_entry
-from ds4_mlx.engine import kvstore_eviction
+from ds4_mlx.engine import kvstore, kvstore_eviction, kvstore_format, kvstore_scan
+from ds4_mlx.engine.kvstore import KVStore
 from ds4_mlx.engine.kvstore_eviction import HIT_HALF_LIFE_SECONDS
+from ds4_mlx.engine.kvstore_format import SaveReason, key_for_text, key_for_tokens, read_entry
 from ds4_mlx.engine.kvstore_policy import KVStoreOptions
 from ds4_mlx.errors import KVStoreError
 
@@ -59,7 +59,7 @@ def dir_bytes(d) -> int:
 
 def kv_files(d) -> list[str]:
     """The directory's names but the writers' lock file."""
-    return sorted(n for n in os.listdir(d) if n != kvstore.LOCK_NAME)
+    return sorted(n for n in os.listdir(d) if n != kvstore_scan.LOCK_NAME)
 
 
 # -- format ----------------------------------------------------------------------------------
@@ -263,7 +263,7 @@ def test_lookup_skips_incompatible_entries_with_logged_reason(tmp_path, caplog):
     assert big.lookup(rendered_text=text).tokens == 1300  # the ctx=131072 one
     assert make_store(tmp_path, quant_bits=4).lookup(rendered_text=text).tokens == 1200
     assert make_store(tmp_path, accept_other_quant=True).lookup(rendered_text=text).tokens == 1200
-    with pytest.raises(kvstore.KVFileRejected, match="other model"):
+    with pytest.raises(kvstore_format.KVFileRejected, match="other model"):
         store.load(read_entry(next(p for p in tmp_path.glob("*.kv") if p.name != ok.name and
                                    read_entry(p).model_id == OTHER_MODEL)))
 
@@ -311,7 +311,7 @@ def test_load_rejects_a_file_changed_since_lookup(tmp_path):
     os.remove(e.path)
     other = make_store(tmp_path, payload_version=1)
     other.store(toks(601), "text", payload(100), "cold")
-    with pytest.raises(kvstore.KVFileRejected, match="changed"):
+    with pytest.raises(kvstore_format.KVFileRejected, match="changed"):
         store.load(e)
 
 
@@ -379,7 +379,7 @@ def test_store_never_overwrites_another_models_checkpoint(tmp_path):
     other = make_store(tmp_path, model_id=OTHER_MODEL)
     theirs = other.store(toks(600), "shared text", payload(100, 1), "cold")
     store = make_store(tmp_path)
-    with pytest.raises(kvstore.KVSaveSkipped, match="another model's checkpoint"):
+    with pytest.raises(kvstore_format.KVSaveSkipped, match="another model's checkpoint"):
         store.store(toks(600), "shared text", payload(100, 2), "cold")
     assert store.lookup(rendered_text="shared text") is None  # not ours to load either
     assert bytes(other.load(other.lookup(rendered_text="shared text")).payload) == payload(100, 1)
@@ -489,15 +489,15 @@ def test_eviction_order_uses_decayed_hits_and_last_use(tmp_path):
     b = _sized_store(store, 1000, 20000, "b", 2)
     for _ in range(4):
         store.load(read_entry(a.path))  # a: 4 hits at T0
-    scan = kvstore.scan_dir(tmp_path)
-    order = [e.name for e, _ in kvstore.eviction_order(scan.entries, T0, options=DS4_HEAD)]
+    scan = kvstore_scan.scan_dir(tmp_path)
+    order = [e.name for e, _ in kvstore_eviction.eviction_order(scan.entries, T0, options=DS4_HEAD)]
     assert order == [b.name, a.name]
     # 14 half-lives later a's hits are worth nothing; b used more recently -> a is older, goes first
     clock.t = T0 + 14 * HIT_HALF_LIFE_SECONDS
     store.load(read_entry(b.path))
     clock.t += 1
-    scan = kvstore.scan_dir(tmp_path)
-    order = [e.name for e, _ in kvstore.eviction_order(scan.entries, clock.t, options=DS4_HEAD)]
+    scan = kvstore_scan.scan_dir(tmp_path)
+    order = [e.name for e, _ in kvstore_eviction.eviction_order(scan.entries, clock.t, options=DS4_HEAD)]
     assert order == [a.name, b.name]
     # after 1 half-life from use, 4 hits count as 2: score (2 + 1) * tokens / size
     e = read_entry(a.path)
@@ -516,7 +516,7 @@ def test_eviction_ties_go_to_older_last_use(tmp_path, mode):
     old = _sized_store(store, 1000, 20000, "old", 1)
     clock.t += 60
     young = _sized_store(store, 1000, 20000, "young", 2)
-    removed = kvstore.evict_to_budget(tmp_path, 30000, clock.t, options=MODES[mode])
+    removed = kvstore_eviction.evict_to_budget(tmp_path, 30000, clock.t, options=MODES[mode])
     assert [r.path.name for r in removed] == [old.name] and young.path.exists()
 
 
@@ -528,7 +528,7 @@ def test_damaged_files_are_evicted_first_but_count_toward_the_budget(tmp_path, m
     raw = bytearray(bad.path.read_bytes())
     raw[0] = ord("X")
     bad.path.write_bytes(raw)
-    assert kvstore.scan_dir(tmp_path).total_bytes == 40000
+    assert kvstore_scan.scan_dir(tmp_path).total_bytes == 40000
     make_store(tmp_path, budget_mb=45000 / 2**20, options=MODES[mode])  # fits: nothing removed
     assert bad.path.exists()
     make_store(tmp_path, budget_mb=30000 / 2**20, options=MODES[mode])
@@ -584,7 +584,7 @@ def test_superseded_continued_is_evicted_before_an_unrelated_one_of_the_same_sha
         d = tmp_path / mode
         store = make_store(d, clock=clock, options=MODES[mode])
         u, p, long = _prefix_family(store, clock)
-        scores = kvstore.eviction_scores(kvstore.scan_dir(d).entries, clock.t, MODES[mode])
+        scores = kvstore_eviction.eviction_scores(kvstore_scan.scan_dir(d).entries, clock.t, MODES[mode])
         assert scores[u.name].score == pytest.approx(1000 / 20000)
         if mode == "ds4-mlx":
             assert scores[p.name].superseded_by == (long.name,)
@@ -592,7 +592,7 @@ def test_superseded_continued_is_evicted_before_an_unrelated_one_of_the_same_sha
             assert scores[p.name].note == f"superseded x0.02 by {long.name}"
         else:
             assert scores[p.name].score == scores[u.name].score
-        removed = kvstore.evict_to_budget(d, 20000 + 30000, clock.t, options=MODES[mode])
+        removed = kvstore_eviction.evict_to_budget(d, 20000 + 30000, clock.t, options=MODES[mode])
         assert [r.path.name for r in removed] == [{"P": p, "U": u}[victim].name]
         assert long.path.exists()
 
@@ -615,11 +615,11 @@ def test_superseded_entry_with_hits_is_demoted_less(tmp_path):
     u, p, long = _prefix_family(store, clock)
     store.load(read_entry(p.path))
     clock.t += HIT_HALF_LIFE_SECONDS  # 1 hit, half-life later: 0.5 effective hits
-    s = kvstore.eviction_scores(kvstore.scan_dir(tmp_path).entries, clock.t)[p.name]
+    s = kvstore_eviction.eviction_scores(kvstore_scan.scan_dir(tmp_path).entries, clock.t)[p.name]
     assert s.base == pytest.approx(1.5 * 1000 / 20000)
     assert s.superseded_factor == 0.25 and s.score == pytest.approx(0.25 * 1.5 * 1000 / 20000)
     clock.t += 14 * HIT_HALF_LIFE_SECONDS  # decayed below 0.01: counts as never hit again
-    s = kvstore.eviction_scores(kvstore.scan_dir(tmp_path).entries, clock.t)[p.name]
+    s = kvstore_eviction.eviction_scores(kvstore_scan.scan_dir(tmp_path).entries, clock.t)[p.name]
     assert s.superseded_factor == 0.02
 
 
@@ -630,7 +630,7 @@ def test_only_continued_entries_are_demoted_and_anchors_keep_their_bonus(tmp_pat
     cold = store.store(base[:1000], b"C", payload(15000, 1), "cold")
     clock.t += 60
     long = store.store(base, b"L", payload(15000, 2), "continued")
-    s = kvstore.eviction_scores(kvstore.scan_dir(tmp_path).entries, clock.t)
+    s = kvstore_eviction.eviction_scores(kvstore_scan.scan_dir(tmp_path).entries, clock.t)
     assert s[cold.name].superseded_by == () and s[cold.name].score == pytest.approx(2 * s[cold.name].base)
     assert s[long.name].score == s[long.name].base
 
@@ -647,17 +647,17 @@ def test_superseder_must_be_newer_same_model_and_intact(tmp_path):
     other.store(base[:2000], b"other model", payload(15000, 3), "evict")
     newer_pv = make_store(tmp_path, clock=clock, payload_version=2)
     newer_pv.store(base[:2500], b"other payload version", payload(15000, 4), "evict")
-    s = kvstore.eviction_scores(kvstore.scan_dir(tmp_path).entries, clock.t)
+    s = kvstore_eviction.eviction_scores(kvstore_scan.scan_dir(tmp_path).entries, clock.t)
     assert s[p.name].superseded_by == () and s[p.name].score == s[p.name].base
     # a newer same-model extension whose stored tokens are damaged does not count either
     good = store.store(base[:1500], b"newer", payload(15000, 5), "evict")
-    s = kvstore.eviction_scores(kvstore.scan_dir(tmp_path).entries, clock.t)
+    s = kvstore_eviction.eviction_scores(kvstore_scan.scan_dir(tmp_path).entries, clock.t)
     assert s[p.name].superseded_by == (good.name,)
     raw = bytearray(good.path.read_bytes())
     raw[len(raw) - 68 - 4 * 1500 + 8] ^= 1  # a token in the trailer (only the file crc covers it)
     good.path.write_bytes(raw)
-    assert kvstore.scan_dir(tmp_path).entries  # still passes the cheap checks
-    s = kvstore.eviction_scores(kvstore.scan_dir(tmp_path).entries, clock.t)
+    assert kvstore_scan.scan_dir(tmp_path).entries  # still passes the cheap checks
+    s = kvstore_eviction.eviction_scores(kvstore_scan.scan_dir(tmp_path).entries, clock.t)
     assert s[p.name].superseded_by == ()
 
 
@@ -672,12 +672,12 @@ def test_demoted_entry_regains_its_score_when_its_superseder_goes_first(tmp_path
     p = store.store(base[:1000], b"P", payload(20000 - 52 - 1 - 4000 - 68, 9), "continued")
     clock.t += 60
     long = store.store(base, b"L", payload(2_000_000 - 52 - 1 - 4400 - 68, 10), "continued")
-    order = kvstore.eviction_order(kvstore.scan_dir(tmp_path).entries, clock.t)
+    order = kvstore_eviction.eviction_order(kvstore_scan.scan_dir(tmp_path).entries, clock.t)
     assert [e.name for e, _ in order] == [long.name, u.name, p.name]
     assert [s.score for _, s in order] == pytest.approx([1100 / 2_000_000, 1000 / 20000, 1000 / 20000])
     # while L exists, P is demoted, never deleted for it: under budget nothing goes
-    assert kvstore.evict_to_budget(tmp_path, 10**7, clock.t) == [] and p.path.exists()
-    removed = kvstore.evict_to_budget(tmp_path, 20000, clock.t)
+    assert kvstore_eviction.evict_to_budget(tmp_path, 10**7, clock.t) == [] and p.path.exists()
+    removed = kvstore_eviction.evict_to_budget(tmp_path, 20000, clock.t)
     assert [r.path.name for r in removed] == [long.name, u.name] and p.path.exists()
 
 
@@ -693,7 +693,7 @@ def test_supersession_reads_only_trailer_tokens_and_only_when_evicting(tmp_path,
         return real_pread(fd, n, offset)
 
     monkeypatch.setattr(kvstore.os, "pread", pread)
-    kvstore.eviction_scores(kvstore.scan_dir(tmp_path).entries, clock.t)
+    kvstore_eviction.eviction_scores(kvstore_scan.scan_dir(tmp_path).entries, clock.t)
     size = long.file_size
     assert reads == [(4 * 3000, size - 68 - 4 * 3000)]  # L's stored tokens; nothing of U or P
     reads.clear()

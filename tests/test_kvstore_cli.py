@@ -8,7 +8,9 @@ import os
 import numpy as np
 import pytest
 
-from ds4_mlx.engine.kvstore import LOCK_NAME, KVStore, read_entry
+from ds4_mlx.engine.kvstore import KVStore
+from ds4_mlx.engine.kvstore_format import read_entry
+from ds4_mlx.engine.kvstore_scan import LOCK_NAME
 from ds4_mlx.frontends.cli import main
 
 MODEL = b"model-fingerprint"

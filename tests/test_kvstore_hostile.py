@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 
 from ds4_mlx.engine import kvstore
-from ds4_mlx.engine.kvstore import KVCacheDirError, KVStore
+from ds4_mlx.engine import kvstore_scan
+from ds4_mlx.engine.kvstore import KVStore
+from ds4_mlx.engine.kvstore_scan import KVCacheDirError
 from ds4_mlx.frontends.cli import main
 
 MODEL = bytes(range(32))
@@ -161,7 +163,7 @@ def test_read_entry_refuses_a_fifo_without_blocking(tmp_path):
     fifo = tmp_path / ("ab" * 20 + ".kv")
     os.mkfifo(fifo)
     r = run_py(f"""
-        from ds4_mlx.engine.kvstore import KVFileRejected, read_entry
+        from ds4_mlx.engine.kvstore_format import KVFileRejected, read_entry
         try:
             read_entry({str(fifo)!r})
         except KVFileRejected as rej:
@@ -221,11 +223,11 @@ def test_concurrent_writers_keep_the_budget(tmp_path):
 
 
 def test_lock_is_exclusive_across_processes(tmp_path):
-    with kvstore.directory_lock(tmp_path) as held:
+    with kvstore_scan.directory_lock(tmp_path) as held:
         assert held
         r = run_py(f"""
             import fcntl, os
-            fd = os.open({str(tmp_path / kvstore.LOCK_NAME)!r}, os.O_RDWR)
+            fd = os.open({str(tmp_path / kvstore_scan.LOCK_NAME)!r}, os.O_RDWR)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 print("acquired")
@@ -234,6 +236,6 @@ def test_lock_is_exclusive_across_processes(tmp_path):
         """, timeout=60)
     assert r.stdout.strip() == "busy", r.stderr
     t0 = time.time()
-    with kvstore.directory_lock(tmp_path):
+    with kvstore_scan.directory_lock(tmp_path):
         pass
     assert time.time() - t0 < 5

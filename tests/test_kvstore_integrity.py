@@ -18,8 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ds4_mlx.engine import kvstore
-from ds4_mlx.engine.kvstore import KVStore, read_entry
+from ds4_mlx.engine import kvstore_scan
+from ds4_mlx.engine.kvstore import KVStore
+from ds4_mlx.engine.kvstore_format import read_entry
 from ds4_mlx.engine.kvstore_policy import KVStoreOptions
 from ds4_mlx.errors import KVStoreError
 
@@ -245,8 +246,8 @@ def _seed_entries(d: Path) -> dict[str, bytes]:
 
 def _check_after_kill(d: Path, existing: dict[str, bytes], n_chunks: int, may_evict: bool) -> str:
     # before any clean-up: a half-written save is invisible, whatever is listed is whole
-    listed = {e.name for e in kvstore.scan_dir(d).entries}
-    assert not kvstore.scan_dir(d).invalid
+    listed = {e.name for e in kvstore_scan.scan_dir(d).entries}
+    assert not kvstore_scan.scan_dir(d).invalid
     assert listed <= set(existing) | {NEW_NAME}
     store = make_store(d, ctx=65536, budget_mb=1024, options=KVStoreOptions(min_tokens=1))
     names = set(os.listdir(d))

@@ -23,8 +23,6 @@ memory columns added:
 
 from __future__ import annotations
 
-import resource
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +30,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from ds4_mlx.engine.generate import peak_rss_bytes
 from ds4_mlx.engine.sampling import argmax
 from ds4_mlx.errors import Ds4Error
 
@@ -105,18 +104,13 @@ def backend_name() -> str:
     return f"mlx {kind}"
 
 
-def rss_peak_bytes() -> int:
-    """The process's peak resident set in bytes (ru_maxrss is KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)
-
-
 def _greedy_no_eos(session, eos_id: int | None) -> int:
     """ds4-bench's ``argmax_excluding(eos)``: the best token, or the best other one when that is EOS."""
-    tok = session.argmax()
+    logits = session.logits()
+    tok = argmax(logits)
     if eos_id is None or tok != eos_id:
         return tok
-    logits = np.array(session.logits(), dtype=np.float32)
+    logits = np.array(logits, dtype=np.float32)  # a copy: the caller's array stays as it was
     logits[eos_id] = -np.inf
     return argmax(logits)
 
@@ -171,7 +165,7 @@ def run_sweep(engine, tokens: Sequence[int], *, ctx_start: int = 2048, ctx_step:
             ctx_tokens=frontier, prefill_tokens=interval,
             prefill_tps=interval / prefill_s if prefill_s > 0 else 0.0,
             gen_tokens=gen_tokens, gen_tps=gen_tokens / gen_s if gen_s > 0 and gen_tokens else 0.0,
-            kvcache_bytes=int(kv_bytes), rss_peak_bytes=rss_peak_bytes(), mlx_peak_bytes=int(mx.get_peak_memory()),
+            kvcache_bytes=int(kv_bytes), rss_peak_bytes=peak_rss_bytes(), mlx_peak_bytes=int(mx.get_peak_memory()),
             prefill_s=prefill_s, gen_s=gen_s, generated=tuple(generated))
         rows.append(row)
         if on_row is not None:

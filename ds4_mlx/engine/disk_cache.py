@@ -81,16 +81,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ds4_mlx.engine.kvstore import (
-    Entry,
-    KVFileRejected,
-    KVSaveSkipped,
-    KVStore,
-    LoadedEntry,
-    SaveReason,
-    check_cache_dir,
-    read_trailer_tokens,
-)
+from ds4_mlx.engine.kvstore import KVStore, LoadedEntry
+from ds4_mlx.engine.kvstore_format import Entry, KVFileRejected, KVSaveSkipped, SaveReason, read_trailer_tokens
 from ds4_mlx.engine.kvstore_policy import (
     DEFAULT_BUDGET_MB,
     DEFAULT_OPTIONS,
@@ -99,6 +91,7 @@ from ds4_mlx.engine.kvstore_policy import (
     continued_save_due,
     continued_step,
 )
+from ds4_mlx.engine.kvstore_scan import check_cache_dir
 from ds4_mlx.engine.payload import VERSION as PAYLOAD_VERSION
 from ds4_mlx.engine.payload import NonFiniteStateError, PayloadError
 from ds4_mlx.engine.session import Session

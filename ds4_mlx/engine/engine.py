@@ -24,28 +24,19 @@ from ds4_mlx.chat.template import (
     encode_chat_prompt,
     render_messages,
 )
-from ds4_mlx.errors import ChatError, Ds4Error, InferenceError
+from ds4_mlx.errors import ChatError, InferenceError
 from ds4_mlx.tokenizer import Tokenizer
-
-BOS_TEXT = BOS
 
 
 def resolve_model_path(path_or_repo: str | os.PathLike) -> Path:
     """A local path as is; ``hf:REPO/FILE`` through ``ds4_mlx.hub.resolve_model`` (imported only
-    then, so the rest works without that module)."""
+    then: a local model never loads the hub client)."""
     spec = os.fspath(path_or_repo)
     if not spec.startswith("hf:"):
         return Path(spec)
-    import importlib
+    from ds4_mlx.hub import resolve_model
 
-    try:
-        hub = importlib.import_module("ds4_mlx.hub")
-    except ModuleNotFoundError as exc:
-        if exc.name != "ds4_mlx.hub":
-            raise
-        raise Ds4Error(f"cannot resolve {spec!r}: Hugging Face model specs need ds4_mlx.hub, which this "
-                       f"build does not have; pass a local GGUF path instead") from None
-    return Path(hub.resolve_model(spec))
+    return Path(resolve_model(spec))
 
 
 def as_think_mode(think) -> ThinkMode:
@@ -167,8 +158,7 @@ class Engine:
 
         if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
             raise InferenceError(f"prefill chunk must be an integer >= 1, got {chunk!r}")
-        return Session(self.network, self.default_ctx() if ctx is None else ctx, chunk=chunk or DEFAULT_CHUNK,
-                       model_id=self._model_id, **options)
+        return Session(self, self.default_ctx() if ctx is None else ctx, chunk=chunk or DEFAULT_CHUNK, **options)
 
     # -- prompts -------------------------------------------------------------------------------------
 
@@ -179,7 +169,7 @@ class Engine:
         ``raw`` (or text that already starts with the BOS marker, as ds4 detects) tokenizes the text
         as a rendered prompt with the special markers recognised; otherwise the CLI chat template.
         """
-        if raw or text.startswith(BOS_TEXT):
+        if raw or text.startswith(BOS):
             return self.tokenizer.encode_rendered(text)
         return encode_chat_prompt(self.tokenizer, text, system=system or "", think=think, ctx=ctx)
 

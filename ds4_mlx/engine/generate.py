@@ -41,12 +41,11 @@ import numpy as np
 from ds4_mlx.chat.dsml_stream import DsmlStreamParser, StreamEnd, ToolCallEnd
 from ds4_mlx.chat.messages import ToolCall
 from ds4_mlx.chat.template import DEFAULT_SYSTEM, THINK_CLOSE, THINK_OPEN, ThinkMode, resolve_think_mode
-from ds4_mlx.engine.sampling import SamplingParams, XorShiftRng, argmax, sample, top_logprobs
+from ds4_mlx.engine.sampling import SamplingParams, XorShiftRng, argmax, sample, token_logprob, top_logprobs
 from ds4_mlx.errors import InferenceError
 from ds4_mlx.tokenizer.utf8_stream import Utf8StreamDecoder
 
 MAX_LOGPROBS = 128  # ds4's cap on --dump-logprobs alternatives
-FINISH_REASONS = ("stop", "length", "tool_calls", "cancelled", "error")
 
 
 class GenerationError(InferenceError):
@@ -134,7 +133,7 @@ class GenerationResult:
     content: str
     tool_calls: tuple[ToolCall, ...]
     tokens: list[int]               # generated token ids (EOS excluded)
-    finish_reason: str
+    finish_reason: str              # stop | length | tool_calls | cancelled | error
     stats: GenerationStats
     prompt_tokens: list[int] = field(default_factory=list, repr=False)
     raw_dsml: str | None = None     # the exact sampled tool block (what ds4 replays in a later request)
@@ -282,9 +281,10 @@ def _token_logprob(tokenizer, score) -> TokenLogprob:
     return TokenLogprob(score.id, raw.decode("utf-8", errors="replace"), raw, score.logprob, score.logit)
 
 
-def _peak_rss() -> int:
-    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return kb if sys.platform == "darwin" else kb * 1024  # macOS reports bytes, Linux KiB
+def peak_rss_bytes() -> int:
+    """The process's peak resident set in bytes (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
 def _save_line(res) -> str:
@@ -446,7 +446,6 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
         return [first] + [GenerationEvent("tool_call", tool_call=c) for c in calls[1:]]
 
     t_decode = time.perf_counter()
-    pending: list[tuple[str, object]] = []
     try:
         while finish is None:
             if cancelled():
@@ -466,8 +465,6 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
                 top = tuple(_token_logprob(tokenizer, s) for s in scores)
                 lp = next((s.logprob for s in scores if s.id == token), None)
                 if lp is None:
-                    from ds4_mlx.engine.sampling import token_logprob
-
                     lp = token_logprob(logits, token).logprob
             if token == eos:
                 finish = "stop"
@@ -492,18 +489,13 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
                 res = kv_cache.after_eval(session)
                 if res is not None:
                     stats.cache.append(_save_line(res))
-                    pending.append((stats.cache[-1], res))
-            for line, rep in pending:
-                yield GenerationEvent("cache", line, report=rep)
-            pending.clear()
+                    yield GenerationEvent("cache", stats.cache[-1], report=res)
     except KeyboardInterrupt:
         finish = "cancelled"
     stats.decode_s = time.perf_counter() - t_decode
     stats.generation_tokens = len(generated)
 
     # -- end --
-    for line, rep in pending:
-        yield GenerationEvent("cache", line, report=rep)
     tail, hit = stopper.feed(decoder.flush())
     if hit and finish != "cancelled":
         finish = "stop"
@@ -524,7 +516,7 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
         error = "the generated tool call block is malformed or unterminated"
     elif finish == "stop" and message.tool_calls:
         finish = "tool_calls"
-    stats.peak_rss_bytes = _peak_rss()
+    stats.peak_rss_bytes = peak_rss_bytes()
     stats.peak_mlx_bytes = int(mx.get_peak_memory())
     result = GenerationResult(text="".join(pieces), reasoning=message.reasoning, content=message.content,
                               tool_calls=tuple(message.tool_calls), tokens=generated, finish_reason=finish,

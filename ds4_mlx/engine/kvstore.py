@@ -2,7 +2,7 @@
 
 The store does not look inside the payload (the session module writes and reads it); it names,
 finds, checks, writes atomically, counts hits and evicts files, with ds4's rules
-(``ds4_kvstore.c``). It is built from one module per job, and re-exports their public names:
+(``ds4_kvstore.c``). It is built from one module per job; import each name from its module:
 
 * ``kvstore_format``    the file's bytes: header, key text, KTM section, KXM trailer, reads;
 * ``kvstore_scan``      the directory: listing, temp files of dead writers, the writers' lock;
@@ -60,57 +60,36 @@ from pathlib import Path
 
 import numpy as np
 
-# The public names of the file format, directory and eviction modules are importable from here,
-# where the store's users have always imported them.
-from ds4_mlx.engine.kvstore_eviction import (  # noqa: F401
-    ANCHOR_REASONS,
+from ds4_mlx.engine.kvstore_eviction import (
     Evicted,
-    EvictionScore,
     PendingCheckpoint,
     evict_to_budget,
     eviction_order,
-    eviction_scores,
-    superseded_continued,
     unlink_victim,
 )
-from ds4_mlx.engine.kvstore_format import (  # noqa: F401
+from ds4_mlx.engine.kvstore_format import (
     EXT_DS4_MLX,
-    EXT_RESPONSES_VISIBLE,
-    EXT_THINKING_VISIBLE,
     EXT_TOOL_MAP,
-    HEADER_BYTES,
     KEY_KINDS,
-    KTM_MAGIC,
-    KVC_MAGIC,
     MIN_FILE_BYTES,
     QUANT_BITS,
-    TAIL_BYTES,
-    TAIL_MAGIC,
-    TEXT_LEN_BYTES,
     U32_MAX,
     Entry,
     FileContents,
     InvalidFile,
     KVFileRejected,
     KVSaveSkipped,
-    NotRegularFile,
-    RawHeader,
-    RawTail,
     SaveReason,
     body_pieces,
-    decode_tool_map,
     encode_tool_map,
     key_for_text,
     key_for_tokens,
-    key_kind_of,
     normalize_model_id,
     open_regular,
     pack_header,
     pack_tail,
     read_contents,
     read_entry,
-    read_tool_map,
-    read_trailer_tokens,
     text_to_bytes,
     tokens_to_bytes,
 )
@@ -122,8 +101,7 @@ from ds4_mlx.engine.kvstore_policy import (
     fits_budget,
     required_bytes,
 )
-from ds4_mlx.engine.kvstore_scan import (  # noqa: F401
-    LOCK_NAME,
+from ds4_mlx.engine.kvstore_scan import (
     DirScan,
     KVCacheDirError,
     check_cache_dir,

@@ -65,10 +65,10 @@ from typing import BinaryIO
 
 import numpy as np
 
-from ds4_mlx.errors import PayloadError  # noqa: F401  (re-exported: callers import it from here)
+from ds4_mlx.errors import PayloadError
 from ds4_mlx.formats.config import ModelConfig
 from ds4_mlx.model.numerics import EMPTY_SCORE
-from ds4_mlx.model.state import FIELDS, LANES, StateArray, state_layout  # noqa: F401  (LANES/FIELDS re-exported)
+from ds4_mlx.model.state import FIELDS, LANES, StateArray, state_layout
 
 MAGIC = b"DS4MLXSP"
 VERSION = 1

@@ -119,7 +119,10 @@ class Session:
             raise InferenceError(f"resume_prefill_min must be >= 1, got {resume_prefill_min}")
         if auto_checkpoints < 0 or kept_checkpoints < 0:
             raise InferenceError("checkpoint pool sizes must be >= 0")
-        model = getattr(model, "network", model)  # ds4_mlx.load()'s object works as well as its network
+        # ds4_mlx.load()'s object works as well as its network; it is kept because it computes the
+        # model id (a read of ~80 MB on the real model) once for all its sessions.
+        self._engine = model if hasattr(model, "network") else None
+        model = getattr(model, "network", model)
         if not hasattr(model, "forward_chunk"):
             raise InferenceError(f"Session needs a model from ds4_mlx.load(), got {type(model).__name__}")
         self.model = model
@@ -163,6 +166,8 @@ class Session:
 
     @property
     def model_id(self) -> bytes:
+        if self._model_id is None and self._engine is not None:
+            self._model_id = self._engine.model_id
         if self._model_id is None:
             src = getattr(self.model, "source", None)
             if src is None:
@@ -392,9 +397,10 @@ class Session:
         return self._rt.nbytes()
 
     def __repr__(self) -> str:
-        mib = self.memory_bytes() / (1 << 20)
+        from ds4_mlx.engine.describe import mib
+
         return (f"Session(ctx={self.ctx}, tokens={self.pos}, chunk={self.chunk}, "
-                f"memory={mib:.1f} MiB, checkpoints={len(self._auto) + len(self._kept)})")
+                f"memory={mib(self.memory_bytes())}, checkpoints={len(self._auto) + len(self._kept)})")
 
     def _repr_html_(self) -> str:
         """The notebook view: tokens held against the context, memory, checkpoints."""

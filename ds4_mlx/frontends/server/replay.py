@@ -65,7 +65,8 @@ class ReplayMap:
     def restore_from_dir(self, directory, wanted: list[str]) -> int:
         """Learn the ids of ``wanted`` this map lacks from the KTM sections in ``directory``;
         ids of one block share its DSML, which regroups them. Returns the ids learned."""
-        from ds4_mlx.engine.kvstore import KVFileRejected, read_tool_map, scan_dir
+        from ds4_mlx.engine.kvstore_format import KVFileRejected, read_tool_map
+        from ds4_mlx.engine.kvstore_scan import scan_dir
         from ds4_mlx.errors import KVStoreError
 
         with self._lock:
