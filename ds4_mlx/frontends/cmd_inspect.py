@@ -20,6 +20,7 @@ from ds4_mlx.errors import LayoutError
 from ds4_mlx.formats.config import ModelConfig
 from ds4_mlx.formats.gguf import GGUFFile, MetadataField, ValueType
 from ds4_mlx.formats.layout import LayoutReport, routed_quant_bits, validate_layout
+from ds4_mlx.frontends.terminal_text import escape_text, human_size
 
 ARRAY_HEAD = 8  # array items shown before eliding
 ARRAY_FULL = 16  # arrays up to this length are shown whole
@@ -147,28 +148,6 @@ def blas_status() -> Any:
 # -- text ---------------------------------------------------------------------------------------
 
 
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
-
-
-def escape_text(text: str) -> str:
-    """Printable characters as is; backslash, control characters, bidi overrides and every other
-    unprintable character as escapes (as ``kv ls`` shows key text), so file content cannot drive
-    the terminal."""
-    out = []
-    for ch in text:
-        if ch == "\\":
-            out.append("\\\\")
-        elif ch.isprintable():
-            out.append(ch)
-        else:
-            out.append(repr(ch)[1:-1])
-    return "".join(out)
-
-
 def _clean(text: str) -> str:
     """A free-text line (an error, a warning) with its unprintable characters escaped; backslashes
     are kept (the messages already quote names with repr)."""
@@ -208,7 +187,7 @@ def _short(v: Any) -> str:
 def format_text(info: dict[str, Any], show_tensors: bool = True) -> str:
     out: list[str] = []
     w = out.append
-    w(f"file: {_clean(info['path'])} ({info['file_size']:,} bytes, {_size(info['file_size'])})")
+    w(f"file: {_clean(info['path'])} ({info['file_size']:,} bytes, {human_size(info['file_size'])})")
     w(f"gguf: v{info['gguf_version']}, {info['n_kv']} metadata keys, {info['n_tensors']} tensors, "
       f"alignment {info['alignment']}, tensor data at byte {info['data_offset']:,}")
     w("")
@@ -229,8 +208,8 @@ def format_text(info: dict[str, Any], show_tensors: bool = True) -> str:
     w("")
     w("tensor types:")
     for name, tot in info["type_totals"].items():
-        w(f"  {name:<8} {tot['count']:>5} tensors  {_size(tot['nbytes']):>12}")
-    w(f"  total    {info['n_tensors']:>5} tensors  {_size(info['tensor_bytes']):>12}  "
+        w(f"  {name:<8} {tot['count']:>5} tensors  {human_size(tot['nbytes']):>12}")
+    w(f"  total    {info['n_tensors']:>5} tensors  {human_size(info['tensor_bytes']):>12}  "
       f"({info['n_params'] / 1e9:.3f} B parameters)")
     if info["config"] is not None:
         w("")

@@ -37,6 +37,7 @@ from ds4_mlx.engine.kvstore_admin import (
 )
 from ds4_mlx.engine.kvstore_policy import DEFAULT_OPTIONS, MIB, KVStoreOptions
 from ds4_mlx.errors import KVStoreError
+from ds4_mlx.frontends.terminal_text import escape_text, human_size
 
 MAX_BUDGET_MB = 2**30  # 1 PiB: far beyond any disk, small enough to stay exact in bytes
 
@@ -66,29 +67,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 # -- formatting helpers --------------------------------------------------------------------------
-
-
-def escape_text(text: str) -> str:
-    """Printable characters as is; backslash, controls and undecodable bytes as escapes."""
-    out = []
-    for ch in text:
-        code = ord(ch)
-        if ch == "\\":
-            out.append("\\\\")
-        elif 0xDC80 <= code <= 0xDCFF:  # a byte that was not valid UTF-8 (surrogateescape)
-            out.append(f"\\x{code - 0xDC00:02x}")
-        elif ch.isprintable():
-            out.append(ch)
-        else:
-            out.append(repr(ch)[1:-1])
-    return "".join(out)
-
-
-def human_size(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
 
 
 def scoring_options(args: argparse.Namespace) -> KVStoreOptions:
