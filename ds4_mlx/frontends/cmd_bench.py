@@ -23,10 +23,12 @@ import sys
 from pathlib import Path
 
 from ds4_mlx.errors import Ds4Error
+from ds4_mlx.frontends.args import check_number
 
 PLOT_SUFFIXES = (".png", ".svg")
-INT_OPTIONS = (("ctx_start", "--ctx-start"), ("ctx_step", "--ctx-step"), ("ctx_max", "--ctx-max"),
-               ("gen", "--gen"))
+# (dest, flag, lowest value); --ctx-max >= --ctx-start is checked in _validate
+INT_OPTIONS = (("ctx_start", "--ctx-start", 1), ("ctx_step", "--ctx-step", 1), ("ctx_max", "--ctx-max", 1),
+               ("gen", "--gen", 0))
 
 
 class CliUsageError(Ds4Error):
@@ -40,7 +42,8 @@ def register(sub) -> None:
     p.add_argument("--prompt-file", required=True,
                    help="benchmark text (UTF-8), at least --ctx-max tokens long; its token sequence is sliced "
                         "at each frontier")
-    # Integers are parsed in run() so that a bad value gets our one-line error, not argparse's usage dump.
+    # Integers are checked in run() (args.check_number) so that a bad value gets our one-line error, not
+    # argparse's usage dump.
     p.add_argument("--ctx-start", default="2048", metavar="N", help="first frontier (default 2048)")
     p.add_argument("--ctx-step", "--step-incr", dest="ctx_step", default="2048", metavar="N",
                    help="distance between frontiers (default 2048)")
@@ -56,26 +59,15 @@ def register(sub) -> None:
 
 
 def _parse_ints(args) -> dict[str, int]:
-    out = {}
-    for dest, flag in INT_OPTIONS:
-        text = str(getattr(args, dest)).strip()
-        try:
-            value = int(text, 10)
-        except ValueError:
-            raise CliUsageError(f"{flag} must be an integer, got {getattr(args, dest)!r}") from None
-        out[dest] = value
-    return out
+    try:
+        return {dest: check_number(getattr(args, dest), flag, int, lo) for dest, flag, lo in INT_OPTIONS}
+    except ValueError as exc:
+        raise CliUsageError(str(exc)) from None
 
 
 def _validate(args, n: dict[str, int]) -> None:
-    if n["ctx_start"] < 1:
-        raise CliUsageError(f"--ctx-start must be >= 1, got {n['ctx_start']}")
-    if n["ctx_step"] < 1:
-        raise CliUsageError(f"--ctx-step must be >= 1, got {n['ctx_step']}")
     if n["ctx_max"] < n["ctx_start"]:
         raise CliUsageError(f"--ctx-max ({n['ctx_max']}) must be >= --ctx-start ({n['ctx_start']})")
-    if n["gen"] < 0:
-        raise CliUsageError(f"--gen must be >= 0, got {n['gen']}")
     if args.plot is not None and Path(args.plot).suffix.lower() not in PLOT_SUFFIXES:
         raise CliUsageError(f"--plot {args.plot}: the file name must end in .png or .svg")
 
