@@ -29,9 +29,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import sys
-import threading
 from pathlib import Path
 
 from ds4_mlx.chat.template import DEFAULT_SYSTEM, THINK_CLOSE, THINK_OPEN, ChatTranscript, ThinkMode
@@ -379,19 +377,15 @@ class ChatRepl:
     # -- a turn ----------------------------------------------------------------------------------------
 
     def turn(self, text: str) -> None:
+        from ds4_mlx.frontends.cli import cancel_on_sigint
+
+        with cancel_on_sigint() as cancel:
+            self._turn(text, cancel)
+
+    def _turn(self, text: str, cancel) -> None:
         from ds4_mlx.engine.generate import stream_generate
         from ds4_mlx.frontends.cmd_generate import _PrefillBar
 
-        cancel = threading.Event()
-        previous = signal.signal(signal.SIGINT, lambda *_: cancel.set()) \
-            if threading.current_thread() is threading.main_thread() else None
-        try:
-            self._turn(text, cancel, stream_generate, _PrefillBar)
-        finally:
-            if previous is not None:
-                signal.signal(signal.SIGINT, previous)
-
-    def _turn(self, text: str, cancel, stream_generate, bar_class) -> None:
         tr, session, args = self.transcript, self.session, self.args
         if session.pos:
             session.snapshot(keep=True)  # a dropped turn goes back here instead of re-prefilling
@@ -402,7 +396,7 @@ class ChatRepl:
                                    f"{session.ctx}: /reset, or /ctx with a larger size")
         mode = tr.effective_think
         printer = AnswerPrinter(self.out, faint=self.color, in_think=mode.enabled)
-        bar = bar_class(self.err)
+        bar = _PrefillBar(self.err)
         held: list[str] = []
         done = None
         try:

@@ -154,32 +154,24 @@ def _validate(args) -> None:
 
 
 def run(args) -> int:
-    import signal
-    import threading
+    from ds4_mlx.frontends.cli import cancel_on_sigint
 
     _validate(args)
     text = _read_prompt(args)
-    cancel = threading.Event()
-    # SIGINT sets the cancel flag the loop checks before every token and prefill chunk, so the
-    # run ends cleanly (stats printed, exit 130) instead of unwinding from inside a forward pass.
-    previous = signal.signal(signal.SIGINT, lambda *_: cancel.set()) \
-        if threading.current_thread() is threading.main_thread() else None
-    try:
+    with cancel_on_sigint() as cancel:
         return _run(args, text, cancel)
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
 
 
 def _run(args, text: str, cancel) -> int:
     from ds4_mlx.chat.template import DEFAULT_SYSTEM
     from ds4_mlx.engine.engine import Engine
     from ds4_mlx.engine.generate import stream_generate
+    from ds4_mlx.frontends.cli import EXIT_INTERRUPTED
 
     engine = Engine.open(args.model, numerics=args.numerics)
     if cancel.is_set():  # Ctrl-C while the model was loading: nothing generated, no stats to print
         print("ds4-mlx: interrupted while loading the model", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     if args.ctx > engine.context_length:
         raise CliUsageError(f"--ctx {args.ctx} is larger than the model's context length {engine.context_length}")
     session = engine.new_session(ctx=args.ctx, chunk=args.prefill_chunk)
@@ -217,7 +209,7 @@ def _run(args, text: str, cancel) -> int:
         out.text("\n")
     out.end()
     print(f"ds4-mlx: {done.stats.summary()}", file=sys.stderr)
-    return 130 if done.finish_reason == "cancelled" else 0
+    return EXIT_INTERRUPTED if done.finish_reason == "cancelled" else 0
 
 
 class _Output:
