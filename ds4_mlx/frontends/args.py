@@ -98,15 +98,45 @@ SEED = ranged(int, 0, MAX_SEED, why="a 64-bit unsigned seed (0 = time-based)")
 TOKENS = ranged(int, 0, why="a count of tokens")
 
 
-def add_think_options(p: argparse.ArgumentParser) -> None:
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    """``-m/--model`` (required) and ``--numerics``: every command that loads the weights."""
+    p.add_argument("-m", "--model", required=True, help="DS4 Flash GGUF file")
+    p.add_argument("--numerics", choices=["default", "ds4-cpu"], default="default",
+                   help="arithmetic: fast path, or ds4's CPU reference arithmetic")
+
+
+def add_system_option(p: argparse.ArgumentParser) -> None:
+    """``-sys/--system`` into ``args.system``; None means ds4's default system prompt."""
+    p.add_argument("-sys", "--system", default=None,
+                   help='system prompt; "" disables it (default: "You are a helpful assistant")')
+
+
+def add_ctx_option(p: argparse.ArgumentParser, default: int) -> None:
+    p.add_argument("--ctx", action=CTX, default=default, metavar="N",
+                   help=f"context size in tokens, 2..{MAX_CTX} (default {default})")
+
+
+def add_disk_cache_options(p: argparse.ArgumentParser):
+    """``--kv-disk-dir`` and ``--kv-disk-space-mb`` in a "disk KV cache" group, returned so a
+    command can add its own tuning options to it."""
+    kv = p.add_argument_group("disk KV cache")
+    kv.add_argument("--kv-disk-dir", metavar="DIR", help="reuse and save prompt prefixes in this directory")
+    kv.add_argument("--kv-disk-space-mb", action=ranged(float, 0, why="a size in MiB"), default=4096, metavar="MB",
+                    help="size budget of the directory in MiB (default 4096)")
+    return kv
+
+
+def add_think_options(p: argparse.ArgumentParser, help_prefix: str = "") -> None:
     """``--think`` (the default) | ``--think-max`` | ``--nothink``, into ``args.think`` as the
-    template's mode names; one definition for every command that renders a chat prompt."""
+    template's mode names; one definition for every command that renders a chat prompt.
+    ``help_prefix`` says when the options apply (``tokenize``: "--chat: ")."""
     think = p.add_mutually_exclusive_group()
-    think.add_argument("--think", dest="think", action="store_const", const="high", help="thinking mode (default)")
+    think.add_argument("--think", dest="think", action="store_const", const="high",
+                       help=f"{help_prefix}thinking mode (default)")
     think.add_argument("--think-max", dest="think", action="store_const", const="max",
-                       help="Think Max when --ctx >= 393216, else normal thinking")
+                       help=f"{help_prefix}Think Max when --ctx >= 393216, else normal thinking")
     think.add_argument("--nothink", dest="think", action="store_const", const="none",
-                       help="answer directly (the assistant turn starts with </think>)")
+                       help=f"{help_prefix}answer directly (the assistant turn starts with </think>)")
     p.set_defaults(think="high")
 
 

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from ds4_mlx.errors import Ds4Error
-from ds4_mlx.frontends.args import check_number
+from ds4_mlx.frontends.args import add_model_options, check_number
 
 PLOT_SUFFIXES = (".png", ".svg")
 # (dest, flag, lowest value); --ctx-max >= --ctx-start is checked in _validate
@@ -38,7 +38,7 @@ class CliUsageError(Ds4Error):
 def register(sub) -> None:
     p = sub.add_parser("bench", help="prefill / generation throughput at growing context sizes",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-m", "--model", required=True, help="DS4 Flash GGUF file")
+    add_model_options(p)
     p.add_argument("--prompt-file", required=True,
                    help="benchmark text (UTF-8), at least --ctx-max tokens long; its token sequence is sliced "
                         "at each frontier")
@@ -53,8 +53,6 @@ def register(sub) -> None:
                    help="greedy tokens decoded at each frontier, EOS skipped (default 128; 0 = prefill only)")
     p.add_argument("--csv", metavar="FILE", help="also write the rows as CSV (ds4-bench's columns first)")
     p.add_argument("--plot", metavar="FILE", help="draw t/s against context to FILE (.png or .svg; needs matplotlib)")
-    p.add_argument("--numerics", choices=["default", "ds4-cpu"], default="default",
-                   help="arithmetic: fast path, or ds4's CPU reference arithmetic")
     p.set_defaults(func=run)
 
 

@@ -22,7 +22,7 @@ import sys
 from ds4_mlx.chat.template import DEFAULT_CTX, DEFAULT_SYSTEM, encode_chat_prompt
 from ds4_mlx.errors import TokenizerError
 from ds4_mlx.formats.gguf import GGUFFile
-from ds4_mlx.frontends.args import CTX
+from ds4_mlx.frontends.args import CTX, add_think_options
 from ds4_mlx.tokenizer import Tokenizer
 
 
@@ -39,17 +39,11 @@ def register(subparsers) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the text in ds4's CLI chat template")
     p.add_argument("-sys", "--system", default=None,
                    help=f'--chat: system text (default "{DEFAULT_SYSTEM}"; "" for none)')
-    think = p.add_mutually_exclusive_group()
-    think.add_argument("--think", dest="think", action="store_const", const="high",
-                       help="--chat: thinking mode (default)")
-    think.add_argument("--nothink", dest="think", action="store_const", const="none",
-                       help="--chat: no thinking (assistant turn starts with </think>)")
-    think.add_argument("--think-max", dest="think", action="store_const", const="max",
-                       help="--chat: Think Max when --ctx >= 393216, else normal thinking")
+    add_think_options(p, help_prefix="--chat: ")
     p.add_argument("--ctx", action=CTX, default=DEFAULT_CTX, metavar="N",
                    help=f"--chat: context size deciding Think Max (default {DEFAULT_CTX})")
     p.add_argument("--json", action="store_true", help='print {"ids": [...], "pieces": [...]}')
-    p.set_defaults(func=run, think="high")
+    p.set_defaults(func=run)
 
 
 def _read_text(args: argparse.Namespace) -> str:
