@@ -14,13 +14,13 @@ import json
 import math
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ds4_mlx.errors import LayoutError
-from ds4_mlx.formats.config import ModelConfig
-from ds4_mlx.formats.gguf import GGUFFile, MetadataField, ValueType
-from ds4_mlx.formats.layout import LayoutReport, routed_quant_bits, validate_layout
 from ds4_mlx.frontends.terminal_text import escape_text, human_size
+
+if TYPE_CHECKING:  # the readers (numpy) load in run(): `ds4-mlx --help` builds every command's parser
+    from ds4_mlx.formats.gguf import GGUFFile, MetadataField
+    from ds4_mlx.formats.layout import LayoutReport
 
 ARRAY_HEAD = 8  # array items shown before eliding
 ARRAY_FULL = 16  # arrays up to this length are shown whole
@@ -41,6 +41,8 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ds4_mlx.formats.gguf import GGUFFile
+
     with GGUFFile(args.path) as f:
         info = inspect_file(f)
     if args.json:
@@ -58,6 +60,10 @@ def run(args: argparse.Namespace) -> int:
 
 def inspect_file(f: GGUFFile) -> dict[str, Any]:
     """Everything ``inspect`` reports, as a JSON-ready dict with stable keys."""
+    from ds4_mlx.errors import LayoutError
+    from ds4_mlx.formats.config import ModelConfig
+    from ds4_mlx.formats.layout import routed_quant_bits, validate_layout
+
     tensors = []
     totals: dict[str, dict[str, int]] = {}
     n_params = 0
@@ -102,6 +108,8 @@ def inspect_file(f: GGUFFile) -> dict[str, Any]:
 
 
 def _field_summary(fl: MetadataField) -> dict[str, Any]:
+    from ds4_mlx.formats.gguf import ValueType
+
     if fl.type != ValueType.ARRAY:
         return {"type": fl.type.name, "value": _json_scalar(fl.value)}
     return {"type": "ARRAY", "element_type": fl.sub_type.name, **_array_summary(fl.value)}

@@ -18,12 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
 
 from ds4_mlx.chat.template import DEFAULT_CTX, DEFAULT_SYSTEM, encode_chat_prompt
 from ds4_mlx.errors import TokenizerError
-from ds4_mlx.formats.gguf import GGUFFile
 from ds4_mlx.frontends.args import CTX, add_think_options
-from ds4_mlx.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # the reader (numpy, regex) loads in run(): `ds4-mlx --help` builds every parser
+    from ds4_mlx.tokenizer import Tokenizer
 
 
 def register(subparsers) -> None:
@@ -96,6 +98,9 @@ def piece_repr(data: bytes) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ds4_mlx.formats.gguf import GGUFFile
+    from ds4_mlx.tokenizer import Tokenizer
+
     text = None if args.messages is not None else _read_text(args)
     with GGUFFile(args.model) as f:
         tok = Tokenizer.from_gguf(f)
