@@ -93,9 +93,16 @@ def was_given(args: argparse.Namespace, dest: str) -> bool:
 
 
 # The options several commands share, with one wording everywhere.
-CTX = ranged(int, 2, MAX_CTX, why=f"DS4 Flash's context length is {MAX_CTX}")
+_CTX_RANGE = dict(lo=2, hi=MAX_CTX, why=f"DS4 Flash's context length is {MAX_CTX}")
+CTX = ranged(int, **_CTX_RANGE)
 SEED = ranged(int, 0, MAX_SEED, why="a 64-bit unsigned seed (0 = time-based)")
 TOKENS = ranged(int, 0, why="a count of tokens")
+
+
+def check_ctx(text: str, name: str) -> int:
+    """A context size typed somewhere other than the command line (chat's ``/ctx N``), checked as
+    ``--ctx`` is; ``ValueError`` with the one-line message."""
+    return check_number(text, name, int, **_CTX_RANGE)
 
 
 def add_model_options(p: argparse.ArgumentParser) -> None:

@@ -37,7 +37,7 @@ from ds4_mlx.errors import Ds4Error
 from ds4_mlx.frontends.cmd_demo import default_cache_dir  # one cache folder for demo model, chats, history
 from ds4_mlx.frontends.args import (MAX_CTX, SEED, TOKENS, add_ctx_option, add_disk_cache_options,
                                     add_model_options, add_sampling_options, add_system_option,
-                                    add_think_options, check_number)
+                                    add_think_options, check_ctx)
 
 # A cap, not a target: Ctrl-C ends an answer early, and a turn never runs past the context
 # (ds4's 50000 is the same idea; generate's 256 is too short for a thinking answer).
@@ -460,7 +460,7 @@ class ChatRepl:
         if not arg:
             raise ChatCommandError(f"/ctx needs a size in tokens, 2..{min(MAX_CTX, self.engine.context_length)}")
         try:
-            ctx = check_number(arg, "/ctx", int, 2, MAX_CTX, why=f"DS4 Flash's context length is {MAX_CTX}")
+            ctx = check_ctx(arg, "/ctx")
         except ValueError as exc:
             raise ChatCommandError(str(exc)) from None
         if ctx > self.engine.context_length:
