@@ -134,14 +134,18 @@ class AnswerPrinter:
 
     def finish(self) -> None:
         self._process("", final=True)
-        parts = []
+        parts: list[str] = []
+        self._end_line(parts)
+        self._write("".join(parts))
+
+    def _end_line(self, parts: list[str]) -> None:
+        """Leave faint mode and end the line: after the reasoning, and at the end of the answer."""
         if self.colored:
             parts.append(RESET)
             self.colored = False
         if not self.at_line_start:
             parts.append("\n")
             self.at_line_start = True
-        self._write("".join(parts))
 
     def _process(self, text: str, final: bool) -> None:
         buf, self.pending = self.pending + text, ""
@@ -154,12 +158,7 @@ class AnswerPrinter:
                 continue
             if buf.startswith(THINK_CLOSE, i):
                 self.in_think = False
-                if self.colored:
-                    parts.append(RESET)
-                    self.colored = False
-                if not self.at_line_start:
-                    parts.append("\n")
-                    self.at_line_start = True
+                self._end_line(parts)
                 i += len(THINK_CLOSE)
                 continue
             rest = buf[i:]
