@@ -20,6 +20,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
+from pathlib import Path
+
+from ds4_mlx.errors import Ds4Error
 
 # DS4 Flash's context length (the GGUF's deepseek4.context_length; its YaRN rope scaling is
 # defined up to there).
@@ -30,6 +34,38 @@ MAX_TOP_K = 1024
 MAX_SEED = (1 << 64) - 1
 
 _GIVEN = "_ds4_given"
+
+
+class UsageError(Ds4Error):
+    """A bad command-line value found after parsing (a file that cannot be read, options that do not
+    go together): ``cli.main`` prints it as one line and exits 2."""
+
+
+def read_text_file(path: str, flag: str, *, stdin: bool = False) -> str:
+    """The UTF-8 text of the file option ``flag`` names; with ``stdin``, ``-`` reads standard input.
+    Any failure is one ``UsageError`` line naming the option and the file."""
+    if stdin and path == "-":
+        name = "- (stdin)"
+        try:
+            if sys.stdin is None:
+                raise OSError("stdin is closed")
+            if sys.stdin.isatty():  # otherwise a silent wait looks like a hang
+                print("ds4-mlx: reading the prompt from stdin (end it with Ctrl-D)", file=sys.stderr)
+            data = sys.stdin.buffer.read()
+        except OSError as exc:
+            raise UsageError(f"cannot read {flag} {name}: {exc.strerror or exc}") from None
+    else:
+        name = path
+        try:
+            data = Path(path).read_bytes()
+        except IsADirectoryError:
+            raise UsageError(f"cannot read {flag} {name}: it is a directory") from None
+        except OSError as exc:
+            raise UsageError(f"cannot read {flag} {name}: {exc.strerror or exc}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{flag} {name} is not UTF-8 (byte {exc.start})") from None
 
 
 def _fmt(v: float | int) -> str:

@@ -22,17 +22,12 @@ import csv
 import sys
 from pathlib import Path
 
-from ds4_mlx.errors import Ds4Error
-from ds4_mlx.frontends.args import add_model_options, check_number
+from ds4_mlx.frontends.args import UsageError, add_model_options, check_number, read_text_file
 
 PLOT_SUFFIXES = (".png", ".svg")
 # (dest, flag, lowest value); --ctx-max >= --ctx-start is checked in _validate
 INT_OPTIONS = (("ctx_start", "--ctx-start", 1), ("ctx_step", "--ctx-step", 1), ("ctx_max", "--ctx-max", 1),
                ("gen", "--gen", 0))
-
-
-class CliUsageError(Ds4Error):
-    pass
 
 
 def register(sub) -> None:
@@ -60,14 +55,14 @@ def _parse_ints(args) -> dict[str, int]:
     try:
         return {dest: check_number(getattr(args, dest), flag, int, lo) for dest, flag, lo in INT_OPTIONS}
     except ValueError as exc:
-        raise CliUsageError(str(exc)) from None
+        raise UsageError(str(exc)) from None
 
 
 def _validate(args, n: dict[str, int]) -> None:
     if n["ctx_max"] < n["ctx_start"]:
-        raise CliUsageError(f"--ctx-max ({n['ctx_max']}) must be >= --ctx-start ({n['ctx_start']})")
+        raise UsageError(f"--ctx-max ({n['ctx_max']}) must be >= --ctx-start ({n['ctx_start']})")
     if args.plot is not None and Path(args.plot).suffix.lower() not in PLOT_SUFFIXES:
-        raise CliUsageError(f"--plot {args.plot}: the file name must end in .png or .svg")
+        raise UsageError(f"--plot {args.plot}: the file name must end in .png or .svg")
 
 
 def _require_matplotlib() -> None:
@@ -75,20 +70,13 @@ def _require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise CliUsageError("--plot needs matplotlib: pip install 'ds4-mlx[plot]' (or pip install matplotlib)") from None
+        raise UsageError("--plot needs matplotlib: pip install 'ds4-mlx[plot]' (or pip install matplotlib)") from None
 
 
 def _read_text(path: str) -> str:
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except IsADirectoryError:
-        raise CliUsageError(f"cannot read --prompt-file {path}: it is a directory") from None
-    except OSError as exc:
-        raise CliUsageError(f"cannot read --prompt-file {path}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise CliUsageError(f"--prompt-file {path} is not UTF-8 (byte {exc.start})") from None
+    text = read_text_file(path, "--prompt-file")
     if not text:
-        raise CliUsageError(f"--prompt-file {path} is empty")
+        raise UsageError(f"--prompt-file {path} is empty")
     return text
 
 
@@ -96,7 +84,7 @@ def _open_csv(path: str):
     try:
         return open(path, "w", encoding="utf-8", newline="")
     except OSError as exc:
-        raise CliUsageError(f"cannot write --csv {path}: {exc.strerror or exc}") from None
+        raise UsageError(f"cannot write --csv {path}: {exc.strerror or exc}") from None
 
 
 def _mib(n: int) -> str:
@@ -124,20 +112,20 @@ def run(args) -> int:
     # Output folders are checked before the model loads, not found missing after the sweep.
     for flag, path in (("--csv", args.csv), ("--plot", args.plot)):
         if path is not None and not Path(path).parent.is_dir():
-            raise CliUsageError(f"cannot write {flag} {path}: {Path(path).parent} is not a directory")
+            raise UsageError(f"cannot write {flag} {path}: {Path(path).parent} is not a directory")
     text = _read_text(args.prompt_file)
     # Checked before the model loads: a path that is not a file would otherwise fail deep in the opener.
     if not Path(args.model).is_file():
-        raise CliUsageError(f"-m {args.model}: no such model file")
+        raise UsageError(f"-m {args.model}: no such model file")
 
     engine = Engine.open(args.model, numerics=args.numerics)
     context_length = engine.context_length
     if n["ctx_max"] + n["gen"] > context_length:
-        raise CliUsageError(f"--ctx-max + --gen = {n['ctx_max'] + n['gen']} exceeds the model's context of "
+        raise UsageError(f"--ctx-max + --gen = {n['ctx_max'] + n['gen']} exceeds the model's context of "
                             f"{context_length} tokens")
     tokens = engine.tokenizer.encode(text)
     if len(tokens) < n["ctx_max"]:
-        raise CliUsageError(f"--prompt-file {args.prompt_file} has {len(tokens)} tokens, --ctx-max needs at least "
+        raise UsageError(f"--prompt-file {args.prompt_file} has {len(tokens)} tokens, --ctx-max needs at least "
                             f"{n['ctx_max']}: use a longer text or a lower --ctx-max")
 
     backend = bench.backend_name()
@@ -205,6 +193,6 @@ def plot_rows(rows, path: str, *, title: str) -> None:
         try:
             fig.savefig(path, format=Path(path).suffix.lower().lstrip("."))
         except OSError as exc:
-            raise CliUsageError(f"cannot write --plot {path}: {exc.strerror or exc}") from None
+            raise UsageError(f"cannot write --plot {path}: {exc.strerror or exc}") from None
     finally:
         plt.close(fig)

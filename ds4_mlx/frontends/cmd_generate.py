@@ -29,21 +29,16 @@ import sys
 import time
 from pathlib import Path
 
-from ds4_mlx.errors import Ds4Error
 from ds4_mlx.chat.template import DEFAULT_CTX
-from ds4_mlx.frontends.args import (SEED, TOKENS, add_ctx_option, add_disk_cache_options, add_model_options,
-                                    add_sampling_options, add_system_option, add_think_options, ranged,
-                                    was_given)
+from ds4_mlx.frontends.args import (SEED, TOKENS, UsageError, add_ctx_option, add_disk_cache_options,
+                                    add_model_options, add_sampling_options, add_system_option, add_think_options,
+                                    ranged, read_text_file, was_given)
 
 # mlx-lm's default, and the library's generate(max_tokens=...): the CLI and the API agree. ds4's
 # 50000 suits long reasoning but makes a forgotten -n run for hours on a slow machine.
 DEFAULT_MAX_TOKENS = 256
 # ds4 stores at most 128 alternatives per step in its dump (it clamps; we refuse).
 MAX_LOGPROBS_TOP_K = 128
-
-
-class CliUsageError(Ds4Error):
-    pass
 
 
 def register(sub) -> None:
@@ -92,46 +87,27 @@ def register(sub) -> None:
 def _read_prompt(args) -> str:
     if args.prompt is not None:
         return args.prompt
-    if args.prompt_file == "-":
-        name = "- (stdin)"
-        try:
-            if sys.stdin is None:
-                raise OSError("stdin is closed")
-            if sys.stdin.isatty():  # otherwise a silent wait looks like a hang
-                print("ds4-mlx: reading the prompt from stdin (end it with Ctrl-D)", file=sys.stderr)
-            data = sys.stdin.buffer.read()
-        except OSError as exc:
-            raise CliUsageError(f"cannot read --prompt-file {name}: {exc.strerror or exc}") from None
-    else:
-        name = args.prompt_file
-        try:
-            data = Path(args.prompt_file).read_bytes()
-        except OSError as exc:
-            raise CliUsageError(f"cannot read --prompt-file {name}: {exc.strerror or exc}") from None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise CliUsageError(f"--prompt-file {name} is not UTF-8 (byte {exc.start})") from None
+    return read_text_file(args.prompt_file, "--prompt-file", stdin=True)
 
 
 def _check_dump_path(path: str) -> None:
     """Fail before the model loads, not after a long run, when the dump cannot be written:
     open for append (an existing file is not truncated) and remove what this check created."""
     if not path:
-        raise CliUsageError("--dump-logprobs needs a file name, got an empty string")
+        raise UsageError("--dump-logprobs needs a file name, got an empty string")
     target = Path(path)
     if target.is_dir():
-        raise CliUsageError(f"--dump-logprobs {path} is a directory, not a file")
+        raise UsageError(f"--dump-logprobs {path} is a directory, not a file")
     parent = target.parent
     if not parent.is_dir():
         what = "is not a directory" if parent.exists() else "does not exist"
-        raise CliUsageError(f"--dump-logprobs {path}: {parent} {what}")
+        raise UsageError(f"--dump-logprobs {path}: {parent} {what}")
     existed = target.exists()
     try:
         with open(target, "ab"):
             pass
     except OSError as exc:
-        raise CliUsageError(f"cannot write --dump-logprobs {path}: {exc.strerror or exc}") from None
+        raise UsageError(f"cannot write --dump-logprobs {path}: {exc.strerror or exc}") from None
     if not existed:
         try:
             target.unlink()
@@ -168,7 +144,7 @@ def _run(args, text: str, cancel) -> int:
         print("ds4-mlx: interrupted while loading the model", file=sys.stderr)
         return EXIT_INTERRUPTED
     if args.ctx > engine.context_length:
-        raise CliUsageError(f"--ctx {args.ctx} is larger than the model's context length {engine.context_length}")
+        raise UsageError(f"--ctx {args.ctx} is larger than the model's context length {engine.context_length}")
     session = engine.new_session(ctx=args.ctx, chunk=args.prefill_chunk)
     disk = _open_disk_cache(engine, args) if args.kv_disk_dir else None
     dump = bool(args.dump_logprobs)
@@ -317,5 +293,5 @@ def _write_dump(args, prompt_tokens: int, steps: list[dict]) -> None:
     try:
         Path(args.dump_logprobs).write_text(json.dumps(doc, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
     except OSError as exc:
-        raise CliUsageError(f"cannot write --dump-logprobs {args.dump_logprobs}: {exc.strerror or exc}") from None
+        raise UsageError(f"cannot write --dump-logprobs {args.dump_logprobs}: {exc.strerror or exc}") from None
     print(f"ds4-mlx: wrote {len(steps)} steps to {args.dump_logprobs}", file=sys.stderr)
