@@ -119,6 +119,15 @@ def test_version(capsys):
     assert len(lines) == 2 and lines[1].startswith(f"mlx {mx.__version__}, backend ")
 
 
+def test_building_the_parser_loads_no_array_or_model_libraries():
+    """`ds4-mlx --help`, `download`, `kv` build every command's parser: numpy, regex and mlx load
+    only in the command that runs (they were a second of start-up on a busy machine)."""
+    code = ("import sys; from ds4_mlx.frontends.cli import build_parser; build_parser(); "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'numpy', 'regex', 'mlx'}))")
+    out = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
 def test_default_token_limit_is_256():
     args = build_parser().parse_args(GEN)
     assert args.tokens == 256

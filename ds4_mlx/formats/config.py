@@ -105,6 +105,22 @@ PRODUCT_LIMITS = (
 )
 
 
+# Every integer shape key and the ModelConfig field it fills: ``from_metadata`` reads them in this
+# order (the first bad one is the one reported). INT_RANGES bounds each (from 1, but
+# hash_layer_count from 0), so no shape that sizes a buffer can be zero.
+_ATTR_OF_KEY = {
+    "block_count": "n_layer", "embedding_length": "n_embd", "vocab_size": "n_vocab", "attention.head_count": "n_head",
+    "attention.head_count_kv": "n_head_kv", "attention.key_length": "head_dim", "attention.value_length": "value_dim",
+    "rope.dimension_count": "n_rot", "attention.q_lora_rank": "q_lora_rank",
+    "attention.output_lora_rank": "o_lora_rank", "attention.output_group_count": "n_out_group",
+    "expert_count": "n_expert", "expert_used_count": "n_expert_used", "expert_shared_count": "n_expert_shared",
+    "expert_feed_forward_length": "n_ff_exp", "hash_layer_count": "n_hash_layer",
+    "attention.sliding_window": "n_swa", "attention.indexer.head_count": "n_indexer_head",
+    "attention.indexer.key_length": "indexer_head_dim", "attention.indexer.top_k": "indexer_top_k",
+    "hyper_connection.count": "n_hc", "hyper_connection.sinkhorn_iterations": "hc_sinkhorn_iter",
+}
+
+
 def ds4_compress_ratio(il: int) -> int:
     """ds4's fixed schedule: two dense layers, then 4 on even and 128 on odd layers."""
     if il < 2:
@@ -291,27 +307,7 @@ class ModelConfig:
 
         cfg = cls(
             n_layer=n_layer,
-            n_embd=get("embedding_length", int),
-            n_vocab=get("vocab_size", int),
-            n_head=get("attention.head_count", int),
-            n_head_kv=get("attention.head_count_kv", int),
-            head_dim=get("attention.key_length", int),
-            value_dim=get("attention.value_length", int),
-            n_rot=get("rope.dimension_count", int),
-            q_lora_rank=get("attention.q_lora_rank", int),
-            o_lora_rank=get("attention.output_lora_rank", int),
-            n_out_group=get("attention.output_group_count", int),
-            n_expert=get("expert_count", int),
-            n_expert_used=get("expert_used_count", int),
-            n_expert_shared=get("expert_shared_count", int),
-            n_ff_exp=get("expert_feed_forward_length", int),
-            n_hash_layer=get("hash_layer_count", int),
-            n_swa=get("attention.sliding_window", int),
-            n_indexer_head=get("attention.indexer.head_count", int),
-            indexer_head_dim=get("attention.indexer.key_length", int),
-            indexer_top_k=get("attention.indexer.top_k", int),
-            n_hc=get("hyper_connection.count", int),
-            hc_sinkhorn_iter=get("hyper_connection.sinkhorn_iterations", int),
+            **{attr: get(key, int) for key, attr in _ATTR_OF_KEY.items() if attr != "n_layer"},
             compress_ratios=tuple(int(r) for r in ratios[:n_layer]),
             swiglu_clamp=(FIXED_SWIGLU_CLAMP,) * n_layer,
             rope_freq_base=FIXED_FLOATS["rope.freq_base"],
@@ -346,11 +342,6 @@ class ModelConfig:
                 bad(f"{what} would need {shown} = {n:,} elements, more than the sanity limit {limit:,} "
                     f"(corrupt metadata?)")
 
-        for name in ("n_embd", "n_vocab", "n_head", "head_dim", "n_rot", "q_lora_rank", "o_lora_rank",
-                     "n_out_group", "n_expert", "n_expert_used", "n_ff_exp", "n_swa", "n_hc",
-                     "hc_sinkhorn_iter", "n_indexer_head", "indexer_head_dim", "indexer_top_k"):
-            if getattr(self, name) <= 0:
-                bad(f"{name} must be positive, found {getattr(self, name)}")
         if self.n_head_kv != 1:
             bad(f"attention.head_count_kv is {self.n_head_kv}; DS4 Flash has one latent KV head (K = V)")
         if self.value_dim != self.head_dim:
@@ -382,17 +373,6 @@ class ModelConfig:
                         f"{getattr(self, name)}, expected {want}")
 
 
-_ATTR_OF_KEY = {
-    "block_count": "n_layer", "embedding_length": "n_embd", "vocab_size": "n_vocab", "attention.head_count": "n_head",
-    "attention.head_count_kv": "n_head_kv", "attention.key_length": "head_dim", "attention.value_length": "value_dim",
-    "rope.dimension_count": "n_rot", "attention.q_lora_rank": "q_lora_rank",
-    "attention.output_lora_rank": "o_lora_rank", "attention.output_group_count": "n_out_group",
-    "expert_count": "n_expert", "expert_used_count": "n_expert_used", "expert_shared_count": "n_expert_shared",
-    "expert_feed_forward_length": "n_ff_exp", "hash_layer_count": "n_hash_layer",
-    "attention.sliding_window": "n_swa", "attention.indexer.head_count": "n_indexer_head",
-    "attention.indexer.key_length": "indexer_head_dim", "attention.indexer.top_k": "indexer_top_k",
-    "hyper_connection.count": "n_hc", "hyper_connection.sinkhorn_iterations": "hc_sinkhorn_iter",
-}
 
 
 def _real_value(key: str) -> str:

@@ -20,6 +20,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
+from pathlib import Path
+
+from ds4_mlx.errors import Ds4Error
 
 # DS4 Flash's context length (the GGUF's deepseek4.context_length; its YaRN rope scaling is
 # defined up to there).
@@ -30,6 +34,38 @@ MAX_TOP_K = 1024
 MAX_SEED = (1 << 64) - 1
 
 _GIVEN = "_ds4_given"
+
+
+class UsageError(Ds4Error):
+    """A bad command-line value found after parsing (a file that cannot be read, options that do not
+    go together): ``cli.main`` prints it as one line and exits 2."""
+
+
+def read_text_file(path: str, flag: str, *, stdin: bool = False) -> str:
+    """The UTF-8 text of the file option ``flag`` names; with ``stdin``, ``-`` reads standard input.
+    Any failure is one ``UsageError`` line naming the option and the file."""
+    if stdin and path == "-":
+        name = "- (stdin)"
+        try:
+            if sys.stdin is None:
+                raise OSError("stdin is closed")
+            if sys.stdin.isatty():  # otherwise a silent wait looks like a hang
+                print("ds4-mlx: reading the prompt from stdin (end it with Ctrl-D)", file=sys.stderr)
+            data = sys.stdin.buffer.read()
+        except OSError as exc:
+            raise UsageError(f"cannot read {flag} {name}: {exc.strerror or exc}") from None
+    else:
+        name = path
+        try:
+            data = Path(path).read_bytes()
+        except IsADirectoryError:
+            raise UsageError(f"cannot read {flag} {name}: it is a directory") from None
+        except OSError as exc:
+            raise UsageError(f"cannot read {flag} {name}: {exc.strerror or exc}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{flag} {name} is not UTF-8 (byte {exc.start})") from None
 
 
 def _fmt(v: float | int) -> str:
@@ -93,20 +129,57 @@ def was_given(args: argparse.Namespace, dest: str) -> bool:
 
 
 # The options several commands share, with one wording everywhere.
-CTX = ranged(int, 2, MAX_CTX, why=f"DS4 Flash's context length is {MAX_CTX}")
+_CTX_RANGE = dict(lo=2, hi=MAX_CTX, why=f"DS4 Flash's context length is {MAX_CTX}")
+CTX = ranged(int, **_CTX_RANGE)
 SEED = ranged(int, 0, MAX_SEED, why="a 64-bit unsigned seed (0 = time-based)")
 TOKENS = ranged(int, 0, why="a count of tokens")
 
 
-def add_think_options(p: argparse.ArgumentParser) -> None:
+def check_ctx(text: str, name: str) -> int:
+    """A context size typed somewhere other than the command line (chat's ``/ctx N``), checked as
+    ``--ctx`` is; ``ValueError`` with the one-line message."""
+    return check_number(text, name, int, **_CTX_RANGE)
+
+
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    """``-m/--model`` (required) and ``--numerics``: every command that loads the weights."""
+    p.add_argument("-m", "--model", required=True, help="DS4 Flash GGUF file")
+    p.add_argument("--numerics", choices=["default", "ds4-cpu"], default="default",
+                   help="arithmetic: fast path, or ds4's CPU reference arithmetic")
+
+
+def add_system_option(p: argparse.ArgumentParser) -> None:
+    """``-sys/--system`` into ``args.system``; None means ds4's default system prompt."""
+    p.add_argument("-sys", "--system", default=None,
+                   help='system prompt; "" disables it (default: "You are a helpful assistant")')
+
+
+def add_ctx_option(p: argparse.ArgumentParser, default: int) -> None:
+    p.add_argument("--ctx", action=CTX, default=default, metavar="N",
+                   help=f"context size in tokens, 2..{MAX_CTX} (default {default})")
+
+
+def add_disk_cache_options(p: argparse.ArgumentParser):
+    """``--kv-disk-dir`` and ``--kv-disk-space-mb`` in a "disk KV cache" group, returned so a
+    command can add its own tuning options to it."""
+    kv = p.add_argument_group("disk KV cache")
+    kv.add_argument("--kv-disk-dir", metavar="DIR", help="reuse and save prompt prefixes in this directory")
+    kv.add_argument("--kv-disk-space-mb", action=ranged(float, 0, why="a size in MiB"), default=4096, metavar="MB",
+                    help="size budget of the directory in MiB (default 4096)")
+    return kv
+
+
+def add_think_options(p: argparse.ArgumentParser, help_prefix: str = "") -> None:
     """``--think`` (the default) | ``--think-max`` | ``--nothink``, into ``args.think`` as the
-    template's mode names; one definition for every command that renders a chat prompt."""
+    template's mode names; one definition for every command that renders a chat prompt.
+    ``help_prefix`` says when the options apply (``tokenize``: "--chat: ")."""
     think = p.add_mutually_exclusive_group()
-    think.add_argument("--think", dest="think", action="store_const", const="high", help="thinking mode (default)")
+    think.add_argument("--think", dest="think", action="store_const", const="high",
+                       help=f"{help_prefix}thinking mode (default)")
     think.add_argument("--think-max", dest="think", action="store_const", const="max",
-                       help="Think Max when --ctx >= 393216, else normal thinking")
+                       help=f"{help_prefix}Think Max when --ctx >= 393216, else normal thinking")
     think.add_argument("--nothink", dest="think", action="store_const", const="none",
-                       help="answer directly (the assistant turn starts with </think>)")
+                       help=f"{help_prefix}answer directly (the assistant turn starts with </think>)")
     p.set_defaults(think="high")
 
 

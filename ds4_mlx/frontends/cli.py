@@ -17,10 +17,12 @@ Anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import signal
 import sys
+import threading
 
 from ds4_mlx.errors import Ds4Error
 
@@ -28,6 +30,22 @@ from ds4_mlx.errors import Ds4Error
 COMMANDS = ["generate", "chat", "serve", "download", "bench", "inspect", "tokenize", "kv", "demo"]
 
 EXIT_INTERRUPTED = 128 + signal.SIGINT
+
+
+@contextlib.contextmanager
+def cancel_on_sigint():
+    """Within the block, Ctrl-C (SIGINT) sets the yielded ``threading.Event`` instead of raising
+    ``KeyboardInterrupt``: ``stream_generate`` checks it before every token and prefill chunk, so a
+    run ends cleanly (its stats still printed) instead of unwinding from inside a forward pass.
+    Off the main thread (where Python cannot install handlers) the event is only set by its owner."""
+    cancel = threading.Event()
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, lambda *_: cancel.set()) if main else None
+    try:
+        yield cancel
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, previous)
 
 
 class CommandParser(argparse.ArgumentParser):

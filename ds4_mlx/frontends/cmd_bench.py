@@ -22,25 +22,23 @@ import csv
 import sys
 from pathlib import Path
 
-from ds4_mlx.errors import Ds4Error
+from ds4_mlx.frontends.args import UsageError, add_model_options, check_number, read_text_file
 
 PLOT_SUFFIXES = (".png", ".svg")
-INT_OPTIONS = (("ctx_start", "--ctx-start"), ("ctx_step", "--ctx-step"), ("ctx_max", "--ctx-max"),
-               ("gen", "--gen"))
-
-
-class CliUsageError(Ds4Error):
-    pass
+# (dest, flag, lowest value); --ctx-max >= --ctx-start is checked in _validate
+INT_OPTIONS = (("ctx_start", "--ctx-start", 1), ("ctx_step", "--ctx-step", 1), ("ctx_max", "--ctx-max", 1),
+               ("gen", "--gen", 0))
 
 
 def register(sub) -> None:
     p = sub.add_parser("bench", help="prefill / generation throughput at growing context sizes",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-m", "--model", required=True, help="DS4 Flash GGUF file")
+    add_model_options(p)
     p.add_argument("--prompt-file", required=True,
                    help="benchmark text (UTF-8), at least --ctx-max tokens long; its token sequence is sliced "
                         "at each frontier")
-    # Integers are parsed in run() so that a bad value gets our one-line error, not argparse's usage dump.
+    # Integers are checked in run() (args.check_number) so that a bad value gets our one-line error, not
+    # argparse's usage dump.
     p.add_argument("--ctx-start", default="2048", metavar="N", help="first frontier (default 2048)")
     p.add_argument("--ctx-step", "--step-incr", dest="ctx_step", default="2048", metavar="N",
                    help="distance between frontiers (default 2048)")
@@ -50,34 +48,21 @@ def register(sub) -> None:
                    help="greedy tokens decoded at each frontier, EOS skipped (default 128; 0 = prefill only)")
     p.add_argument("--csv", metavar="FILE", help="also write the rows as CSV (ds4-bench's columns first)")
     p.add_argument("--plot", metavar="FILE", help="draw t/s against context to FILE (.png or .svg; needs matplotlib)")
-    p.add_argument("--numerics", choices=["default", "ds4-cpu"], default="default",
-                   help="arithmetic: fast path, or ds4's CPU reference arithmetic")
     p.set_defaults(func=run)
 
 
 def _parse_ints(args) -> dict[str, int]:
-    out = {}
-    for dest, flag in INT_OPTIONS:
-        text = str(getattr(args, dest)).strip()
-        try:
-            value = int(text, 10)
-        except ValueError:
-            raise CliUsageError(f"{flag} must be an integer, got {getattr(args, dest)!r}") from None
-        out[dest] = value
-    return out
+    try:
+        return {dest: check_number(getattr(args, dest), flag, int, lo) for dest, flag, lo in INT_OPTIONS}
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _validate(args, n: dict[str, int]) -> None:
-    if n["ctx_start"] < 1:
-        raise CliUsageError(f"--ctx-start must be >= 1, got {n['ctx_start']}")
-    if n["ctx_step"] < 1:
-        raise CliUsageError(f"--ctx-step must be >= 1, got {n['ctx_step']}")
     if n["ctx_max"] < n["ctx_start"]:
-        raise CliUsageError(f"--ctx-max ({n['ctx_max']}) must be >= --ctx-start ({n['ctx_start']})")
-    if n["gen"] < 0:
-        raise CliUsageError(f"--gen must be >= 0, got {n['gen']}")
+        raise UsageError(f"--ctx-max ({n['ctx_max']}) must be >= --ctx-start ({n['ctx_start']})")
     if args.plot is not None and Path(args.plot).suffix.lower() not in PLOT_SUFFIXES:
-        raise CliUsageError(f"--plot {args.plot}: the file name must end in .png or .svg")
+        raise UsageError(f"--plot {args.plot}: the file name must end in .png or .svg")
 
 
 def _require_matplotlib() -> None:
@@ -85,20 +70,13 @@ def _require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise CliUsageError("--plot needs matplotlib: pip install 'ds4-mlx[plot]' (or pip install matplotlib)") from None
+        raise UsageError("--plot needs matplotlib: pip install 'ds4-mlx[plot]' (or pip install matplotlib)") from None
 
 
 def _read_text(path: str) -> str:
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except IsADirectoryError:
-        raise CliUsageError(f"cannot read --prompt-file {path}: it is a directory") from None
-    except OSError as exc:
-        raise CliUsageError(f"cannot read --prompt-file {path}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise CliUsageError(f"--prompt-file {path} is not UTF-8 (byte {exc.start})") from None
+    text = read_text_file(path, "--prompt-file")
     if not text:
-        raise CliUsageError(f"--prompt-file {path} is empty")
+        raise UsageError(f"--prompt-file {path} is empty")
     return text
 
 
@@ -106,7 +84,7 @@ def _open_csv(path: str):
     try:
         return open(path, "w", encoding="utf-8", newline="")
     except OSError as exc:
-        raise CliUsageError(f"cannot write --csv {path}: {exc.strerror or exc}") from None
+        raise UsageError(f"cannot write --csv {path}: {exc.strerror or exc}") from None
 
 
 def _mib(n: int) -> str:
@@ -134,20 +112,20 @@ def run(args) -> int:
     # Output folders are checked before the model loads, not found missing after the sweep.
     for flag, path in (("--csv", args.csv), ("--plot", args.plot)):
         if path is not None and not Path(path).parent.is_dir():
-            raise CliUsageError(f"cannot write {flag} {path}: {Path(path).parent} is not a directory")
+            raise UsageError(f"cannot write {flag} {path}: {Path(path).parent} is not a directory")
     text = _read_text(args.prompt_file)
     # Checked before the model loads: a path that is not a file would otherwise fail deep in the opener.
     if not Path(args.model).is_file():
-        raise CliUsageError(f"-m {args.model}: no such model file")
+        raise UsageError(f"-m {args.model}: no such model file")
 
     engine = Engine.open(args.model, numerics=args.numerics)
     context_length = engine.context_length
     if n["ctx_max"] + n["gen"] > context_length:
-        raise CliUsageError(f"--ctx-max + --gen = {n['ctx_max'] + n['gen']} exceeds the model's context of "
+        raise UsageError(f"--ctx-max + --gen = {n['ctx_max'] + n['gen']} exceeds the model's context of "
                             f"{context_length} tokens")
     tokens = engine.tokenizer.encode(text)
     if len(tokens) < n["ctx_max"]:
-        raise CliUsageError(f"--prompt-file {args.prompt_file} has {len(tokens)} tokens, --ctx-max needs at least "
+        raise UsageError(f"--prompt-file {args.prompt_file} has {len(tokens)} tokens, --ctx-max needs at least "
                             f"{n['ctx_max']}: use a longer text or a lower --ctx-max")
 
     backend = bench.backend_name()
@@ -215,6 +193,6 @@ def plot_rows(rows, path: str, *, title: str) -> None:
         try:
             fig.savefig(path, format=Path(path).suffix.lower().lstrip("."))
         except OSError as exc:
-            raise CliUsageError(f"cannot write --plot {path}: {exc.strerror or exc}") from None
+            raise UsageError(f"cannot write --plot {path}: {exc.strerror or exc}") from None
     finally:
         plt.close(fig)

@@ -29,16 +29,15 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import sys
-import threading
 from pathlib import Path
 
-from ds4_mlx.chat.template import DEFAULT_SYSTEM, THINK_CLOSE, THINK_OPEN, ChatTranscript, ThinkMode
+from ds4_mlx.chat.template import DEFAULT_CTX, DEFAULT_SYSTEM, THINK_CLOSE, THINK_OPEN, ChatTranscript, ThinkMode
 from ds4_mlx.errors import Ds4Error
 from ds4_mlx.frontends.cmd_demo import default_cache_dir  # one cache folder for demo model, chats, history
-from ds4_mlx.frontends.args import (CTX, MAX_CTX, SEED, TOKENS, add_sampling_options, add_think_options,
-                                    check_number, ranged)
+from ds4_mlx.frontends.args import (MAX_CTX, SEED, TOKENS, add_ctx_option, add_disk_cache_options,
+                                    add_model_options, add_sampling_options, add_system_option,
+                                    add_think_options, check_ctx)
 
 # A cap, not a target: Ctrl-C ends an answer early, and a turn never runs past the context
 # (ds4's 50000 is the same idea; generate's 256 is too short for a thinking answer).
@@ -82,26 +81,19 @@ def register(sub) -> None:
     p = sub.add_parser("chat", help="interactive chat (ds4's REPL): one live session across turns",
                        description="Chat with the model; type /help for commands. With stdin piped, "
                                    "each line is a message and each answer one stdout block.")
-    p.add_argument("-m", "--model", required=True, help="DS4 Flash GGUF file")
-    p.add_argument("-sys", "--system", default=None,
-                   help='system prompt; "" disables it (default: "You are a helpful assistant")')
+    add_model_options(p)
+    add_system_option(p)
     add_think_options(p)
     add_sampling_options(p)
     p.add_argument("--seed", action=SEED, default=0, metavar="N",
                    help="sampling seed of every turn, 0..2^64-1 (default 0: time-based)")
     p.add_argument("-n", "--tokens", action=TOKENS, default=DEFAULT_MAX_TOKENS, metavar="N",
                    help=f"maximum tokens per answer (default {DEFAULT_MAX_TOKENS}; Ctrl-C stops one sooner)")
-    p.add_argument("--ctx", action=CTX, default=32768, metavar="N",
-                   help=f"context size in tokens, 2..{MAX_CTX} (default 32768)")
-    p.add_argument("--numerics", choices=["default", "ds4-cpu"], default="default",
-                   help="arithmetic: fast path, or ds4's CPU reference arithmetic")
+    add_ctx_option(p, DEFAULT_CTX)
     p.add_argument("--chat-dir", default=None, metavar="DIR",
                    help="where /save and /load keep conversations (default ~/.cache/ds4-mlx/chats)")
-    kv = p.add_argument_group("disk KV cache")
-    kv.add_argument("--kv-disk-dir", metavar="DIR", help="reuse and save prompt prefixes in this directory")
-    kv.add_argument("--kv-disk-space-mb", action=ranged(float, 0, why="a size in MiB"), default=4096, metavar="MB",
-                    help="size budget of the directory in MiB (default 4096)")
-    p.set_defaults(func=run, think="high")
+    add_disk_cache_options(p)
+    p.set_defaults(func=run)
 
 
 def run(args) -> int:
@@ -142,14 +134,18 @@ class AnswerPrinter:
 
     def finish(self) -> None:
         self._process("", final=True)
-        parts = []
+        parts: list[str] = []
+        self._end_line(parts)
+        self._write("".join(parts))
+
+    def _end_line(self, parts: list[str]) -> None:
+        """Leave faint mode and end the line: after the reasoning, and at the end of the answer."""
         if self.colored:
             parts.append(RESET)
             self.colored = False
         if not self.at_line_start:
             parts.append("\n")
             self.at_line_start = True
-        self._write("".join(parts))
 
     def _process(self, text: str, final: bool) -> None:
         buf, self.pending = self.pending + text, ""
@@ -162,12 +158,7 @@ class AnswerPrinter:
                 continue
             if buf.startswith(THINK_CLOSE, i):
                 self.in_think = False
-                if self.colored:
-                    parts.append(RESET)
-                    self.colored = False
-                if not self.at_line_start:
-                    parts.append("\n")
-                    self.at_line_start = True
+                self._end_line(parts)
                 i += len(THINK_CLOSE)
                 continue
             rest = buf[i:]
@@ -379,19 +370,15 @@ class ChatRepl:
     # -- a turn ----------------------------------------------------------------------------------------
 
     def turn(self, text: str) -> None:
+        from ds4_mlx.frontends.cli import cancel_on_sigint
+
+        with cancel_on_sigint() as cancel:
+            self._turn(text, cancel)
+
+    def _turn(self, text: str, cancel) -> None:
         from ds4_mlx.engine.generate import stream_generate
         from ds4_mlx.frontends.cmd_generate import _PrefillBar
 
-        cancel = threading.Event()
-        previous = signal.signal(signal.SIGINT, lambda *_: cancel.set()) \
-            if threading.current_thread() is threading.main_thread() else None
-        try:
-            self._turn(text, cancel, stream_generate, _PrefillBar)
-        finally:
-            if previous is not None:
-                signal.signal(signal.SIGINT, previous)
-
-    def _turn(self, text: str, cancel, stream_generate, bar_class) -> None:
         tr, session, args = self.transcript, self.session, self.args
         if session.pos:
             session.snapshot(keep=True)  # a dropped turn goes back here instead of re-prefilling
@@ -402,7 +389,7 @@ class ChatRepl:
                                    f"{session.ctx}: /reset, or /ctx with a larger size")
         mode = tr.effective_think
         printer = AnswerPrinter(self.out, faint=self.color, in_think=mode.enabled)
-        bar = bar_class(self.err)
+        bar = _PrefillBar(self.err)
         held: list[str] = []
         done = None
         try:
@@ -472,7 +459,7 @@ class ChatRepl:
         if not arg:
             raise ChatCommandError(f"/ctx needs a size in tokens, 2..{min(MAX_CTX, self.engine.context_length)}")
         try:
-            ctx = check_number(arg, "/ctx", int, 2, MAX_CTX, why=f"DS4 Flash's context length is {MAX_CTX}")
+            ctx = check_ctx(arg, "/ctx")
         except ValueError as exc:
             raise ChatCommandError(str(exc)) from None
         if ctx > self.engine.context_length:

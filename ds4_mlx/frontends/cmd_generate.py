@@ -29,9 +29,10 @@ import sys
 import time
 from pathlib import Path
 
-from ds4_mlx.errors import Ds4Error
-from ds4_mlx.frontends.args import (CTX, MAX_CTX, SEED, TOKENS, add_sampling_options, add_think_options,
-                                    ranged, was_given)
+from ds4_mlx.chat.template import DEFAULT_CTX
+from ds4_mlx.frontends.args import (SEED, TOKENS, UsageError, add_ctx_option, add_disk_cache_options,
+                                    add_model_options, add_sampling_options, add_system_option, add_think_options,
+                                    ranged, read_text_file, was_given)
 
 # mlx-lm's default, and the library's generate(max_tokens=...): the CLI and the API agree. ds4's
 # 50000 suits long reasoning but makes a forgotten -n run for hours on a slow machine.
@@ -40,21 +41,16 @@ DEFAULT_MAX_TOKENS = 256
 MAX_LOGPROBS_TOP_K = 128
 
 
-class CliUsageError(Ds4Error):
-    pass
-
-
 def register(sub) -> None:
     p = sub.add_parser("generate", help="generate text from a prompt",
                        description="Generate a continuation of a prompt (ds4 CLI semantics).")
-    p.add_argument("-m", "--model", required=True, help="DS4 Flash GGUF file")
+    add_model_options(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("-p", "--prompt", help="prompt text")
     src.add_argument("--prompt-file", metavar="FILE", help="read the prompt from FILE (UTF-8); - reads stdin")
     p.add_argument("--raw", action="store_true",
                    help="tokenize the prompt as given (special markers recognised, no chat template)")
-    p.add_argument("-sys", "--system", default=None,
-                   help='system prompt; "" disables it (default: "You are a helpful assistant")')
+    add_system_option(p)
     add_think_options(p)
     add_sampling_options(p)
     p.add_argument("--seed", action=SEED, default=0, metavar="N",
@@ -62,10 +58,7 @@ def register(sub) -> None:
     p.add_argument("-n", "--tokens", action=TOKENS, default=DEFAULT_MAX_TOKENS, metavar="N",
                    help=f"maximum tokens to generate (default {DEFAULT_MAX_TOKENS}, as mlx-lm and "
                         f"the Python API; ds4's is 50000: raise it for long reasoning, e.g. -n 32768)")
-    p.add_argument("--ctx", action=CTX, default=32768, metavar="N",
-                   help=f"context size in tokens, 2..{MAX_CTX} (default 32768)")
-    p.add_argument("--numerics", choices=["default", "ds4-cpu"], default="default",
-                   help="arithmetic: fast path, or ds4's CPU reference arithmetic")
+    add_ctx_option(p, DEFAULT_CTX)
     p.add_argument("--dump-logprobs", metavar="FILE",
                    help="write greedy top-logprobs JSON (ds4 format), no text; --temp is ignored")
     p.add_argument("--logprobs-top-k", action=ranged(int, 1, MAX_LOGPROBS_TOP_K,
@@ -75,10 +68,7 @@ def register(sub) -> None:
     p.add_argument("--prefill-chunk", action=ranged(int, 1, why="a number of tokens per prefill step"),
                    default=2048, metavar="N",
                    help="prefill chunk; chunk ends fall on absolute multiples of it (default 2048)")
-    kv = p.add_argument_group("disk KV cache")
-    kv.add_argument("--kv-disk-dir", metavar="DIR", help="reuse and save prompt prefixes in this directory")
-    kv.add_argument("--kv-disk-space-mb", action=ranged(float, 0, why="a size in MiB"), default=4096, metavar="MB",
-                    help="size budget of the directory in MiB (default 4096)")
+    kv = add_disk_cache_options(p)
     kv.add_argument("--kv-cache-min-tokens", action=ranged(int, 1, why="a prefix length in tokens"),
                     default=512, metavar="N", help="shortest prefix worth saving or loading (default 512)")
     kv.add_argument("--kv-cache-boundary-align-tokens", action=ranged(int, 0, why="0 = off, else a multiple"),
@@ -91,52 +81,33 @@ def register(sub) -> None:
                          "(default 10000, i.e. 10240; 0 = off)")
     kv.add_argument("--kv-cache-save-on-exit", action="store_true",
                     help="also store the final state (prompt + generated tokens) when the run ends")
-    p.set_defaults(func=run, think="high")
+    p.set_defaults(func=run)
 
 
 def _read_prompt(args) -> str:
     if args.prompt is not None:
         return args.prompt
-    if args.prompt_file == "-":
-        name = "- (stdin)"
-        try:
-            if sys.stdin is None:
-                raise OSError("stdin is closed")
-            if sys.stdin.isatty():  # otherwise a silent wait looks like a hang
-                print("ds4-mlx: reading the prompt from stdin (end it with Ctrl-D)", file=sys.stderr)
-            data = sys.stdin.buffer.read()
-        except OSError as exc:
-            raise CliUsageError(f"cannot read --prompt-file {name}: {exc.strerror or exc}") from None
-    else:
-        name = args.prompt_file
-        try:
-            data = Path(args.prompt_file).read_bytes()
-        except OSError as exc:
-            raise CliUsageError(f"cannot read --prompt-file {name}: {exc.strerror or exc}") from None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise CliUsageError(f"--prompt-file {name} is not UTF-8 (byte {exc.start})") from None
+    return read_text_file(args.prompt_file, "--prompt-file", stdin=True)
 
 
 def _check_dump_path(path: str) -> None:
     """Fail before the model loads, not after a long run, when the dump cannot be written:
     open for append (an existing file is not truncated) and remove what this check created."""
     if not path:
-        raise CliUsageError("--dump-logprobs needs a file name, got an empty string")
+        raise UsageError("--dump-logprobs needs a file name, got an empty string")
     target = Path(path)
     if target.is_dir():
-        raise CliUsageError(f"--dump-logprobs {path} is a directory, not a file")
+        raise UsageError(f"--dump-logprobs {path} is a directory, not a file")
     parent = target.parent
     if not parent.is_dir():
         what = "is not a directory" if parent.exists() else "does not exist"
-        raise CliUsageError(f"--dump-logprobs {path}: {parent} {what}")
+        raise UsageError(f"--dump-logprobs {path}: {parent} {what}")
     existed = target.exists()
     try:
         with open(target, "ab"):
             pass
     except OSError as exc:
-        raise CliUsageError(f"cannot write --dump-logprobs {path}: {exc.strerror or exc}") from None
+        raise UsageError(f"cannot write --dump-logprobs {path}: {exc.strerror or exc}") from None
     if not existed:
         try:
             target.unlink()
@@ -154,34 +125,26 @@ def _validate(args) -> None:
 
 
 def run(args) -> int:
-    import signal
-    import threading
+    from ds4_mlx.frontends.cli import cancel_on_sigint
 
     _validate(args)
     text = _read_prompt(args)
-    cancel = threading.Event()
-    # SIGINT sets the cancel flag the loop checks before every token and prefill chunk, so the
-    # run ends cleanly (stats printed, exit 130) instead of unwinding from inside a forward pass.
-    previous = signal.signal(signal.SIGINT, lambda *_: cancel.set()) \
-        if threading.current_thread() is threading.main_thread() else None
-    try:
+    with cancel_on_sigint() as cancel:
         return _run(args, text, cancel)
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
 
 
 def _run(args, text: str, cancel) -> int:
     from ds4_mlx.chat.template import DEFAULT_SYSTEM
     from ds4_mlx.engine.engine import Engine
     from ds4_mlx.engine.generate import stream_generate
+    from ds4_mlx.frontends.cli import EXIT_INTERRUPTED
 
     engine = Engine.open(args.model, numerics=args.numerics)
     if cancel.is_set():  # Ctrl-C while the model was loading: nothing generated, no stats to print
         print("ds4-mlx: interrupted while loading the model", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     if args.ctx > engine.context_length:
-        raise CliUsageError(f"--ctx {args.ctx} is larger than the model's context length {engine.context_length}")
+        raise UsageError(f"--ctx {args.ctx} is larger than the model's context length {engine.context_length}")
     session = engine.new_session(ctx=args.ctx, chunk=args.prefill_chunk)
     disk = _open_disk_cache(engine, args) if args.kv_disk_dir else None
     dump = bool(args.dump_logprobs)
@@ -191,7 +154,7 @@ def _run(args, text: str, cancel) -> int:
                   min_p=args.min_p, top_k=args.top_k, seed=args.seed or None, think=args.think,
                   system=DEFAULT_SYSTEM if args.system is None else args.system, raw=args.raw,
                   session=session, kv_cache=disk, kv_cache_save_on_exit=args.kv_cache_save_on_exit,
-                  logprobs=min(args.logprobs_top_k, 128) if dump else 0, progress=bar.update, cancel=cancel)
+                  logprobs=args.logprobs_top_k if dump else 0, progress=bar.update, cancel=cancel)
     steps: list[dict] = []
     done = None
     try:
@@ -217,7 +180,7 @@ def _run(args, text: str, cancel) -> int:
         out.text("\n")
     out.end()
     print(f"ds4-mlx: {done.stats.summary()}", file=sys.stderr)
-    return 130 if done.finish_reason == "cancelled" else 0
+    return EXIT_INTERRUPTED if done.finish_reason == "cancelled" else 0
 
 
 class _Output:
@@ -325,10 +288,10 @@ def _step_json(tokenizer, step: int, token: int, top) -> dict:
 
 
 def _write_dump(args, prompt_tokens: int, steps: list[dict]) -> None:
-    k = min(args.logprobs_top_k, 128)
-    doc = {"source": "ds4-mlx", "prompt_tokens": prompt_tokens, "ctx": args.ctx, "top_k": k, "steps": steps}
+    doc = {"source": "ds4-mlx", "prompt_tokens": prompt_tokens, "ctx": args.ctx, "top_k": args.logprobs_top_k,
+           "steps": steps}
     try:
         Path(args.dump_logprobs).write_text(json.dumps(doc, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
     except OSError as exc:
-        raise CliUsageError(f"cannot write --dump-logprobs {args.dump_logprobs}: {exc.strerror or exc}") from None
+        raise UsageError(f"cannot write --dump-logprobs {args.dump_logprobs}: {exc.strerror or exc}") from None
     print(f"ds4-mlx: wrote {len(steps)} steps to {args.dump_logprobs}", file=sys.stderr)

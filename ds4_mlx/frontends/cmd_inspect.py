@@ -14,12 +14,13 @@ import json
 import math
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ds4_mlx.errors import LayoutError
-from ds4_mlx.formats.config import ModelConfig
-from ds4_mlx.formats.gguf import GGUFFile, MetadataField, ValueType
-from ds4_mlx.formats.layout import LayoutReport, routed_quant_bits, validate_layout
+from ds4_mlx.frontends.terminal_text import escape_text, human_size
+
+if TYPE_CHECKING:  # the readers (numpy) load in run(): `ds4-mlx --help` builds every command's parser
+    from ds4_mlx.formats.gguf import GGUFFile, MetadataField
+    from ds4_mlx.formats.layout import LayoutReport
 
 ARRAY_HEAD = 8  # array items shown before eliding
 ARRAY_FULL = 16  # arrays up to this length are shown whole
@@ -40,6 +41,8 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ds4_mlx.formats.gguf import GGUFFile
+
     with GGUFFile(args.path) as f:
         info = inspect_file(f)
     if args.json:
@@ -57,6 +60,10 @@ def run(args: argparse.Namespace) -> int:
 
 def inspect_file(f: GGUFFile) -> dict[str, Any]:
     """Everything ``inspect`` reports, as a JSON-ready dict with stable keys."""
+    from ds4_mlx.errors import LayoutError
+    from ds4_mlx.formats.config import ModelConfig
+    from ds4_mlx.formats.layout import routed_quant_bits, validate_layout
+
     tensors = []
     totals: dict[str, dict[str, int]] = {}
     n_params = 0
@@ -101,6 +108,8 @@ def inspect_file(f: GGUFFile) -> dict[str, Any]:
 
 
 def _field_summary(fl: MetadataField) -> dict[str, Any]:
+    from ds4_mlx.formats.gguf import ValueType
+
     if fl.type != ValueType.ARRAY:
         return {"type": fl.type.name, "value": _json_scalar(fl.value)}
     return {"type": "ARRAY", "element_type": fl.sub_type.name, **_array_summary(fl.value)}
@@ -147,28 +156,6 @@ def blas_status() -> Any:
 # -- text ---------------------------------------------------------------------------------------
 
 
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
-
-
-def escape_text(text: str) -> str:
-    """Printable characters as is; backslash, control characters, bidi overrides and every other
-    unprintable character as escapes (as ``kv ls`` shows key text), so file content cannot drive
-    the terminal."""
-    out = []
-    for ch in text:
-        if ch == "\\":
-            out.append("\\\\")
-        elif ch.isprintable():
-            out.append(ch)
-        else:
-            out.append(repr(ch)[1:-1])
-    return "".join(out)
-
-
 def _clean(text: str) -> str:
     """A free-text line (an error, a warning) with its unprintable characters escaped; backslashes
     are kept (the messages already quote names with repr)."""
@@ -208,7 +195,7 @@ def _short(v: Any) -> str:
 def format_text(info: dict[str, Any], show_tensors: bool = True) -> str:
     out: list[str] = []
     w = out.append
-    w(f"file: {_clean(info['path'])} ({info['file_size']:,} bytes, {_size(info['file_size'])})")
+    w(f"file: {_clean(info['path'])} ({info['file_size']:,} bytes, {human_size(info['file_size'])})")
     w(f"gguf: v{info['gguf_version']}, {info['n_kv']} metadata keys, {info['n_tensors']} tensors, "
       f"alignment {info['alignment']}, tensor data at byte {info['data_offset']:,}")
     w("")
@@ -229,8 +216,8 @@ def format_text(info: dict[str, Any], show_tensors: bool = True) -> str:
     w("")
     w("tensor types:")
     for name, tot in info["type_totals"].items():
-        w(f"  {name:<8} {tot['count']:>5} tensors  {_size(tot['nbytes']):>12}")
-    w(f"  total    {info['n_tensors']:>5} tensors  {_size(info['tensor_bytes']):>12}  "
+        w(f"  {name:<8} {tot['count']:>5} tensors  {human_size(tot['nbytes']):>12}")
+    w(f"  total    {info['n_tensors']:>5} tensors  {human_size(info['tensor_bytes']):>12}  "
       f"({info['n_params'] / 1e9:.3f} B parameters)")
     if info["config"] is not None:
         w("")

@@ -26,17 +26,14 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import TYPE_CHECKING
 
-from ds4_mlx.engine.kvstore_admin import (
-    ListedFile,
-    cache_dir,
-    inspect_file,
-    list_entries,
-    prune,
-    utc,
-)
-from ds4_mlx.engine.kvstore_policy import DEFAULT_OPTIONS, MIB, KVStoreOptions
 from ds4_mlx.errors import KVStoreError
+from ds4_mlx.frontends.terminal_text import escape_text, human_size
+
+if TYPE_CHECKING:  # the file reader (numpy) loads when a subcommand runs, not for `ds4-mlx --help`
+    from ds4_mlx.engine.kvstore_admin import ListedFile
+    from ds4_mlx.engine.kvstore_policy import KVStoreOptions
 
 MAX_BUDGET_MB = 2**30  # 1 PiB: far beyond any disk, small enough to stay exact in bytes
 
@@ -68,34 +65,15 @@ def run(args: argparse.Namespace) -> int:
 # -- formatting helpers --------------------------------------------------------------------------
 
 
-def escape_text(text: str) -> str:
-    """Printable characters as is; backslash, controls and undecodable bytes as escapes."""
-    out = []
-    for ch in text:
-        code = ord(ch)
-        if ch == "\\":
-            out.append("\\\\")
-        elif 0xDC80 <= code <= 0xDCFF:  # a byte that was not valid UTF-8 (surrogateescape)
-            out.append(f"\\x{code - 0xDC00:02x}")
-        elif ch.isprintable():
-            out.append(ch)
-        else:
-            out.append(repr(ch)[1:-1])
-    return "".join(out)
-
-
-def human_size(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
-
-
 def scoring_options(args: argparse.Namespace) -> KVStoreOptions:
+    from ds4_mlx.engine.kvstore_policy import DEFAULT_OPTIONS, KVStoreOptions
+
     return KVStoreOptions.ds4_head() if args.ds4_head else DEFAULT_OPTIONS
 
 
 def _row_json(f: ListedFile) -> dict:
+    from ds4_mlx.engine.kvstore_admin import utc
+
     s = f.score
     scores = {"score": s.score, "base_score": s.base, "score_note": s.note,
               "superseded_by": list(s.superseded_by)}
@@ -119,6 +97,8 @@ def _row_json(f: ListedFile) -> dict:
 
 
 def run_ls(args: argparse.Namespace) -> int:
+    from ds4_mlx.engine.kvstore_admin import list_entries
+
     listing = list_entries(args.dir, scoring_options(args))
     rows = [_row_json(f) for f in listing.files]
     if args.json:
@@ -150,6 +130,8 @@ def run_ls(args: argparse.Namespace) -> int:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
+    from ds4_mlx.engine.kvstore_admin import inspect_file
+
     report = inspect_file(args.file)
     if report["text_head"] is not None:
         report["text_head"], report["text_tail"] = (escape_text(report["text_head"]),
@@ -200,6 +182,9 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def run_prune(args: argparse.Namespace) -> int:
+    from ds4_mlx.engine.kvstore_admin import cache_dir, prune
+    from ds4_mlx.engine.kvstore_policy import MIB
+
     cache_dir(args.dir)  # a missing directory is named before a bad budget
     if not 0 <= args.budget_mb <= MAX_BUDGET_MB:  # also false for nan
         raise KVStoreError(f"--budget-mb {args.budget_mb}: must be a number of MiB from 0 to "

@@ -18,12 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
 
 from ds4_mlx.chat.template import DEFAULT_CTX, DEFAULT_SYSTEM, encode_chat_prompt
 from ds4_mlx.errors import TokenizerError
-from ds4_mlx.formats.gguf import GGUFFile
-from ds4_mlx.frontends.args import CTX
-from ds4_mlx.tokenizer import Tokenizer
+from ds4_mlx.frontends.args import CTX, add_think_options
+
+if TYPE_CHECKING:  # the reader (numpy, regex) loads in run(): `ds4-mlx --help` builds every parser
+    from ds4_mlx.tokenizer import Tokenizer
 
 
 def register(subparsers) -> None:
@@ -39,17 +41,11 @@ def register(subparsers) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the text in ds4's CLI chat template")
     p.add_argument("-sys", "--system", default=None,
                    help=f'--chat: system text (default "{DEFAULT_SYSTEM}"; "" for none)')
-    think = p.add_mutually_exclusive_group()
-    think.add_argument("--think", dest="think", action="store_const", const="high",
-                       help="--chat: thinking mode (default)")
-    think.add_argument("--nothink", dest="think", action="store_const", const="none",
-                       help="--chat: no thinking (assistant turn starts with </think>)")
-    think.add_argument("--think-max", dest="think", action="store_const", const="max",
-                       help="--chat: Think Max when --ctx >= 393216, else normal thinking")
+    add_think_options(p, help_prefix="--chat: ")
     p.add_argument("--ctx", action=CTX, default=DEFAULT_CTX, metavar="N",
                    help=f"--chat: context size deciding Think Max (default {DEFAULT_CTX})")
     p.add_argument("--json", action="store_true", help='print {"ids": [...], "pieces": [...]}')
-    p.set_defaults(func=run, think="high")
+    p.set_defaults(func=run)
 
 
 def _read_text(args: argparse.Namespace) -> str:
@@ -102,6 +98,9 @@ def piece_repr(data: bytes) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ds4_mlx.formats.gguf import GGUFFile
+    from ds4_mlx.tokenizer import Tokenizer
+
     text = None if args.messages is not None else _read_text(args)
     with GGUFFile(args.model) as f:
         tok = Tokenizer.from_gguf(f)
