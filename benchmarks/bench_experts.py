@@ -21,7 +21,8 @@ import numpy as np
 from ds4_mlx.formats.ggml_types import GGMLType
 from ds4_mlx.model.experts import ExpertCache
 from ds4_mlx.model.experts import ExpertWeights
-from ds4_mlx.model.linear import Backend, DenseWeight, Numerics
+from ds4_mlx.model.linear import Backend, DenseWeight
+from ds4_mlx.model.ops import DEFAULT_OPS, DS4_CPU_OPS
 
 from bench_util import random_blocks, timed
 
@@ -46,7 +47,7 @@ def bench_dense(rng, shapes, tokens, quick_ds4_tokens) -> None:
             row(f"{name} {qtype.name} {out_dim}x{n_in} T={T} DEFAULT", timed(lambda: w(x), max_iter=50), flops)
             if T <= quick_ds4_tokens:
                 row(f"{name} {qtype.name} {out_dim}x{n_in} T={T} DS4_CPU",
-                    timed(lambda: w(x, Numerics.DS4_CPU), 0.1, 3), flops)
+                    timed(lambda: w.ds4_cpu(x), 0.1, 3), flops)
 
 
 def bench_experts(rng, label, n_expert, n_in, d_ff, k, gate_type, down_type, tokens, n_layer, ds4_tokens) -> None:
@@ -62,16 +63,16 @@ def bench_experts(rng, label, n_expert, n_in, d_ff, k, gate_type, down_type, tok
         mid = mx.array(rng.standard_normal((T, k, d_ff)).astype(np.float32) * 0.1)
         flops = 2.0 * T * k * 3 * d_ff * n_in
 
-        def ffn(numerics):
-            return gate(x, ids, numerics), up(x, ids, numerics), down(mid, ids, numerics)
+        def ffn(ops):
+            return ops.experts(gate, x, ids), ops.experts(up, x, ids), ops.experts(down, mid, ids)
 
         for cache_mb in (0, 1024):
             for e in (gate, up, down):
                 e.cache = ExpertCache(cache_mb << 20)
-            dt = timed(lambda: ffn(Numerics.DEFAULT), max_iter=50)
+            dt = timed(lambda: ffn(DEFAULT_OPS), max_iter=50)
             for e in (gate, up, down):
                 e.reset_counters()
-            mx.eval(ffn(Numerics.DEFAULT))  # one more call, counted
+            mx.eval(ffn(DEFAULT_OPS))  # one more call, counted
             read = sum(e.bytes_read for e in (gate, up, down))
             selected = sum(e.bytes_selected for e in (gate, up, down))
             extra = ""
@@ -82,7 +83,7 @@ def bench_experts(rng, label, n_expert, n_in, d_ff, k, gate_type, down_type, tok
                 extra = f"read {read / 1e6:.2f} MB for {T} tokens (active x T = {active * T / 1e6:.1f} MB)"
             row(f"gate+up+down T={T} DEFAULT cache={cache_mb}MB", dt, flops, extra)
         if T <= ds4_tokens:
-            row(f"gate+up+down T={T} DS4_CPU", timed(lambda: ffn(Numerics.DS4_CPU), 0.1, 3), flops)
+            row(f"gate+up+down T={T} DS4_CPU", timed(lambda: ffn(DS4_CPU_OPS), 0.1, 3), flops)
 
 
 def main() -> None:
