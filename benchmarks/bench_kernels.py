@@ -30,7 +30,6 @@ import numpy as np
 
 from ds4_mlx.formats.ggml_types import BLOCK_GEOMETRY, GGMLType
 from ds4_mlx.formats.quants import dequantize_rows
-from ds4_mlx.model import cuda_kernels
 from ds4_mlx.model import metal_kernels as mk
 
 from bench_util import random_blocks, timed
@@ -210,7 +209,7 @@ def main(argv=None) -> int:
     print_op_model()
     if args.model_only:
         return 0
-    dialects = [d for d, ok in (("metal", mk.available()), ("cuda", cuda_kernels.available())) if ok]
+    dialects = mk.available_dialects()
     if not dialects:
         return 0 if run_host_shim() else 1
     ok = all([run_gpu(d, args.peak_gbs, args.quick) for d in dialects])

@@ -98,6 +98,13 @@ def available() -> bool:
     return bool(mx.metal.is_available())
 
 
+def available_dialects() -> list[str]:
+    """The dialects whose kernels can run here: "metal" with a Metal device, "cuda" with MLX's CUDA
+    backend (``mx.fast.cuda_kernel``)."""
+    cuda = getattr(mx, "cuda", None)
+    return [d for d, ok in (("metal", available()), ("cuda", cuda is not None and cuda.is_available())) if ok]
+
+
 def _read_kernel_file(name: str) -> str:
     return resources.files("ds4_mlx").joinpath("kernels", name).read_text(encoding="utf-8")
 
