@@ -335,8 +335,7 @@ class ExpertWeights:
         else:
             parts = _q4_k_parts(slabs, n_in)
             fn = _ds4_q4_k
-        order = np.argsort(slot, kind="stable")
-        bounds = np.searchsorted(slot[order], np.arange(int(slot.max()) + 2))
+        order, bounds, inverse = metal_kernels.pair_order(slot)
         # rows per chunk so the largest temporary, [sub-blocks, rows, out], stays below the bound
         step = max(1, DS4_CHUNK_ELEMENTS // ((n_in // 32) * out_dim))
         big = len(slot) > step
@@ -350,8 +349,6 @@ class ExpertWeights:
                 if big:
                     mx.eval(pieces[-1])
         y_sorted = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)
-        inverse = np.empty_like(order)
-        inverse[order] = np.arange(len(order))
         return mx.take(y_sorted, mx.array(inverse), axis=0)
 
 
