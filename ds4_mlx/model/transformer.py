@@ -117,7 +117,7 @@ class Model:
             H, ls = block(H, tokens, p0, ls)
             layers.append(ls)
             pending.append((f"layer {block.il}", _all_finite(H)))
-            mx.eval(H, *_arrays(ls), *(ok for _, ok in pending))
+            mx.eval(H, *ls.arrays(), *(ok for _, ok in pending))
             _raise_nonfinite(pending, where, self.source)
             pending = []
             if release:
@@ -156,10 +156,3 @@ def _raise_nonfinite(checks: list[tuple[str, mx.array]], where: str, source) -> 
             hint = f" (non-finite weights in {path}?)" if path else ""
             raise NonFiniteError(f"{what} produced non-finite values (NaN/Inf) at {where}{hint}")
 
-
-def _arrays(ls: LayerState) -> list[mx.array]:
-    out = [ls.raw]
-    for c in (ls.attn, ls.index):
-        if c is not None:
-            out += [c.rows, c.kst, c.gst]
-    return out
