@@ -13,43 +13,20 @@ of gate + up + down), per layer and for the 43-layer model.
 from __future__ import annotations
 
 import argparse
-import time
 
 import ds4_mlx  # noqa: F401  (first: binds MLX to a fast BLAS before mlx.core loads)
 import mlx.core as mx
 import numpy as np
 
-from ds4_mlx.formats.ggml_types import BLOCK_GEOMETRY, GGMLType
-from ds4_mlx.formats.quants import quantize_q8_0
+from ds4_mlx.formats.ggml_types import GGMLType
 from ds4_mlx.model.experts import ExpertCache
 from ds4_mlx.model.experts import ExpertWeights
-from ds4_mlx.model.linear import Backend, DenseWeight, Numerics
+from ds4_mlx.model.linear import Backend, DenseWeight
+from ds4_mlx.model.ops import DEFAULT_OPS, DS4_CPU_OPS
+
+from bench_util import random_blocks, timed
 
 N_LAYER_REAL = 43
-
-
-def random_blocks(rng, qtype: GGMLType, lead: tuple[int, ...], n_in: int) -> np.ndarray:
-    if qtype == GGMLType.Q8_0:
-        return quantize_q8_0(rng.standard_normal((*lead, n_in)).astype(np.float32) * 0.02)
-    elems, block_bytes = BLOCK_GEOMETRY[qtype]
-    nb = n_in // elems
-    raw = rng.integers(0, 256, size=(*lead, nb, block_bytes), dtype=np.uint8)
-    for off in {GGMLType.IQ2_XXS: (0,), GGMLType.Q2_K: (80, 82), GGMLType.Q4_K: (0, 2)}[qtype]:
-        d = (rng.uniform(0.5, 2.0, size=(*lead, nb)) * 1e-3).astype(np.float16)
-        raw[..., off:off + 2] = d.view(np.uint8).reshape(*lead, nb, 2)
-    return raw.reshape(*lead, nb * block_bytes)
-
-
-def timed(fn, min_time: float = 0.3, max_iter: int = 50) -> float:
-    """Seconds per call (after one warm-up call), repeating until ``min_time`` has passed."""
-    mx.eval(fn())
-    n, start = 0, time.perf_counter()
-    while True:
-        mx.eval(fn())
-        n += 1
-        elapsed = time.perf_counter() - start
-        if elapsed >= min_time or n >= max_iter:
-            return elapsed / n
 
 
 def row(label: str, seconds: float, flops: float, extra: str = "") -> None:
@@ -67,10 +44,10 @@ def bench_dense(rng, shapes, tokens, quick_ds4_tokens) -> None:
         for T in tokens:
             x = mx.array(rng.standard_normal((T, n_in)).astype(np.float32))
             flops = 2.0 * T * out_dim * n_in
-            row(f"{name} {qtype.name} {out_dim}x{n_in} T={T} DEFAULT", timed(lambda: w(x)), flops)
+            row(f"{name} {qtype.name} {out_dim}x{n_in} T={T} DEFAULT", timed(lambda: w(x), max_iter=50), flops)
             if T <= quick_ds4_tokens:
                 row(f"{name} {qtype.name} {out_dim}x{n_in} T={T} DS4_CPU",
-                    timed(lambda: w(x, Numerics.DS4_CPU), 0.1, 3), flops)
+                    timed(lambda: w.ds4_cpu(x), 0.1, 3), flops)
 
 
 def bench_experts(rng, label, n_expert, n_in, d_ff, k, gate_type, down_type, tokens, n_layer, ds4_tokens) -> None:
@@ -86,16 +63,16 @@ def bench_experts(rng, label, n_expert, n_in, d_ff, k, gate_type, down_type, tok
         mid = mx.array(rng.standard_normal((T, k, d_ff)).astype(np.float32) * 0.1)
         flops = 2.0 * T * k * 3 * d_ff * n_in
 
-        def ffn(numerics):
-            return gate(x, ids, numerics), up(x, ids, numerics), down(mid, ids, numerics)
+        def ffn(ops):
+            return ops.experts(gate, x, ids), ops.experts(up, x, ids), ops.experts(down, mid, ids)
 
         for cache_mb in (0, 1024):
             for e in (gate, up, down):
                 e.cache = ExpertCache(cache_mb << 20)
-            dt = timed(lambda: ffn(Numerics.DEFAULT))
+            dt = timed(lambda: ffn(DEFAULT_OPS), max_iter=50)
             for e in (gate, up, down):
                 e.reset_counters()
-            mx.eval(ffn(Numerics.DEFAULT))  # one more call, counted
+            mx.eval(ffn(DEFAULT_OPS))  # one more call, counted
             read = sum(e.bytes_read for e in (gate, up, down))
             selected = sum(e.bytes_selected for e in (gate, up, down))
             extra = ""
@@ -106,7 +83,7 @@ def bench_experts(rng, label, n_expert, n_in, d_ff, k, gate_type, down_type, tok
                 extra = f"read {read / 1e6:.2f} MB for {T} tokens (active x T = {active * T / 1e6:.1f} MB)"
             row(f"gate+up+down T={T} DEFAULT cache={cache_mb}MB", dt, flops, extra)
         if T <= ds4_tokens:
-            row(f"gate+up+down T={T} DS4_CPU", timed(lambda: ffn(Numerics.DS4_CPU), 0.1, 3), flops)
+            row(f"gate+up+down T={T} DS4_CPU", timed(lambda: ffn(DS4_CPU_OPS), 0.1, 3), flops)
 
 
 def main() -> None:

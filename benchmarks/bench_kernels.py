@@ -23,16 +23,16 @@ import argparse
 import os
 import subprocess
 import sys
-import time
 
 import ds4_mlx  # noqa: F401  (first: binds MLX to a fast BLAS before mlx.core loads)
 import mlx.core as mx
 import numpy as np
 
 from ds4_mlx.formats.ggml_types import BLOCK_GEOMETRY, GGMLType
-from ds4_mlx.formats.quants import dequantize_rows, quantize_q8_0
-from ds4_mlx.model import cuda_kernels
+from ds4_mlx.formats.quants import dequantize_rows
 from ds4_mlx.model import metal_kernels as mk
+
+from bench_util import random_blocks, timed
 
 FORMATS = (GGMLType.IQ2_XXS, GGMLType.Q2_K, GGMLType.Q4_K)
 # memory bandwidth (GB/s) by device-name fragment, for the roofline share
@@ -98,29 +98,6 @@ def print_op_model() -> None:
 # GPU runs
 
 
-def random_blocks(rng, qtype: GGMLType, lead: tuple[int, ...], n_in: int) -> np.ndarray:
-    if qtype == GGMLType.Q8_0:
-        return quantize_q8_0(rng.standard_normal((*lead, n_in)).astype(np.float32) * 0.02)
-    elems, block_bytes = BLOCK_GEOMETRY[qtype]
-    nb = n_in // elems
-    raw = rng.integers(0, 256, size=(*lead, nb, block_bytes), dtype=np.uint8)
-    for off in {GGMLType.IQ2_XXS: (0,), GGMLType.Q2_K: (80, 82), GGMLType.Q4_K: (0, 2)}[qtype]:
-        d = (rng.uniform(0.5, 2.0, size=(*lead, nb)) * 1e-3).astype(np.float16)
-        raw[..., off:off + 2] = d.view(np.uint8).reshape(*lead, nb, 2)
-    return raw.reshape(*lead, nb * block_bytes)
-
-
-def timed(fn, min_time: float = 0.3, max_iter: int = 200) -> float:
-    mx.eval(fn())
-    n, start = 0, time.perf_counter()
-    while True:
-        mx.eval(fn())
-        n += 1
-        elapsed = time.perf_counter() - start
-        if elapsed >= min_time or n >= max_iter:
-            return elapsed / n
-
-
 def device_peak(dialect: str, override: float | None) -> tuple[str, float | None]:
     if dialect == "metal":
         name = str(mx.metal.device_info().get("device_name", "Apple GPU"))
@@ -147,7 +124,7 @@ def run_gpu(dialect: str, peak_override: float | None, quick: bool) -> bool:
     print(f"\n{dialect} on {name}: peak {peak or '?'} GB/s" + ("" if peak else " (pass --peak-gbs)"))
     rng = np.random.default_rng(0)
     ok = True
-    n_expert, k = 256, 6
+    k = 6  # experts per token
     shapes = [("gate/up", 2048, 4096), ("down", 4096, 2048)]
     cases = [("decode", 1)] + ([] if quick else [("prefill", 64)])
     print(f"  {'kernel':<18} {'fmt':<8} {'shape':<10} {'case':<8} {'MB':>8} {'ms':>8} {'GB/s':>8} {'%peak':>6} "
@@ -232,7 +209,7 @@ def main(argv=None) -> int:
     print_op_model()
     if args.model_only:
         return 0
-    dialects = [d for d, ok in (("metal", mk.available()), ("cuda", cuda_kernels.available())) if ok]
+    dialects = mk.available_dialects()
     if not dialects:
         return 0 if run_host_shim() else 1
     ok = all([run_gpu(d, args.peak_gbs, args.quick) for d in dialects])

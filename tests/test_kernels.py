@@ -21,7 +21,7 @@ import pytest
 from ds4_mlx.errors import LayoutError
 from ds4_mlx.formats.ggml_types import BLOCK_GEOMETRY, GGMLType
 from ds4_mlx.formats.quants import dequantize_rows, quantize_q8_0
-from ds4_mlx.model import cuda_kernels, metal_kernels as mk
+from ds4_mlx.model import metal_kernels as mk
 
 EXPERT_TYPES = (GGMLType.IQ2_XXS, GGMLType.Q2_K, GGMLType.Q4_K)
 
@@ -239,7 +239,7 @@ def test_cuda_kernels_compile_with_nvcc(tmp_path):
 # --------------------------------------------------------------------------------------------------
 # the real kernels (Metal or CUDA GPU only)
 
-_GPU_DIALECTS = [d for d, ok in (("metal", mk.available()), ("cuda", cuda_kernels.available())) if ok]
+_GPU_DIALECTS = mk.available_dialects()
 needs_gpu = pytest.mark.skipif(not _GPU_DIALECTS, reason="no Metal or CUDA GPU: MLX custom kernels cannot run")
 
 

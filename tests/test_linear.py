@@ -23,8 +23,8 @@ from ds4_mlx.model import experts as experts_mod
 from ds4_mlx.model import linear as linear_mod
 from ds4_mlx.model.experts import ExpertCache
 from ds4_mlx.model.experts import ExpertWeights
-from ds4_mlx.model.linear import Backend, DenseWeight, Numerics, default_backend, \
-    q8_0_to_affine, resolve_backend
+from ds4_mlx.model.linear import Backend, DenseWeight, default_backend, q8_0_to_affine, resolve_backend
+from ds4_mlx.model.ops import Numerics, ops_for
 
 F32 = np.float32
 
@@ -308,8 +308,8 @@ def test_rows_share_caches_and_match_parent():
     assert part.shape == (6, 64) and part.name == "w[20:26]"
     x = mx.array(rng.standard_normal((3, 64)).astype(np.float32))
     for numerics in Numerics:
-        full = np.array(w(x, numerics))
-        got = np.array(part(x, numerics))
+        full = np.array(ops_for(numerics).linear(w, x))
+        got = np.array(ops_for(numerics).linear(part, x))
         if numerics is Numerics.DS4_CPU:
             # integer block sums (exact in any order) and ds4's fixed per-row float order: bit-exact
             np.testing.assert_array_equal(got, full[:, 20:26])
@@ -363,7 +363,7 @@ def test_ds4_q8_0_bit_exact(monkeypatch, chunk):
     out_dim, n_in, T = 12, 160, 4
     raw = quants.quantize_q8_0(rng.standard_normal((out_dim, n_in)).astype(np.float32) * 0.05)
     x = activations(rng, (T, n_in))
-    y = np.array(dense(GGMLType.Q8_0, raw, n_in)(mx.array(x), Numerics.DS4_CPU))
+    y = np.array(dense(GGMLType.Q8_0, raw, n_in).ds4_cpu(mx.array(x)))
     ref = np.array([[ref_dot_q8_0(raw[o], x[t]) for o in range(out_dim)] for t in range(T)])
     assert np.array_equal(bits(y), bits(ref))
 
@@ -379,7 +379,7 @@ def test_ds4_f16_f32_bit_exact(monkeypatch, qtype, branch):
     x = activations(rng, (T, n_in))
     x[2] = 0.0
     raw[0] = -np.abs(raw[0])  # with a zero input its products are -0.0: ds4's sum is +0.0
-    y = np.array(dense(qtype, raw, n_in)(mx.array(x), Numerics.DS4_CPU))
+    y = np.array(dense(qtype, raw, n_in).ds4_cpu(mx.array(x)))
     ref_fn = ref_dot_f16 if qtype == GGMLType.F16 else ref_dot_f32
     ref = np.array([[ref_fn(raw[o], x[t]) for o in range(out_dim)] for t in range(T)], dtype=np.float32)
     assert np.array_equal(bits(y), bits(ref))
@@ -394,7 +394,7 @@ def test_ds4_dense_on_tiny_model(tiny_model_path):
         w = DenseWeight.from_gguf(f, name)
         raw = f.tensor_array(name)
         x = activations(rng, (3, w.shape[1]))
-        y = np.array(w(mx.array(x), Numerics.DS4_CPU))
+        y = np.array(w.ds4_cpu(mx.array(x)))
         if w.qtype == GGMLType.Q8_0:
             # every row against the vectorized re-statement, a few against the scalar one
             q, d = quants.quantize_q8_0_activation(x)
@@ -469,7 +469,7 @@ def test_experts_ds4_bit_exact(monkeypatch, qtype, kx):
     raw = random_blocks(rng, qtype, (n_expert, out_dim), n_in)
     ids = np.array([[0, 4, 2], [4, 1, 0], [5, 4, 3]])
     x = activations(rng, (T, kx, n_in))
-    y = np.array(experts(qtype, raw, n_in)(mx.array(x), ids, Numerics.DS4_CPU))
+    y = np.array(experts(qtype, raw, n_in).ds4_cpu(mx.array(x), ids))
     ref_fn = REF_DOT[qtype]
     ref = np.array([[[ref_fn(raw[ids[t, j], o], x[t, j if kx > 1 else 0]) for o in range(out_dim)]
                      for j in range(k)] for t in range(T)], dtype=np.float32)
@@ -500,7 +500,7 @@ def test_iq2_xxs_ds4_block_sum_beyond_2_24():
             acc = f32(acc + f32(v))
         discriminates |= acc != f32(sum(groups))
     assert discriminates
-    y = np.array(experts(GGMLType.IQ2_XXS, raw, 512)(mx.array(x), np.array([[0]]), Numerics.DS4_CPU))
+    y = np.array(experts(GGMLType.IQ2_XXS, raw, 512).ds4_cpu(mx.array(x), np.array([[0]])))
     assert bits(y)[0, 0, 0] == bits(np.array([ref_dot_iq2_xxs(raw[0, 0], x[0, 0])]))[0]
 
 
@@ -516,7 +516,7 @@ def test_experts_ds4_on_tiny_model(tiny_model_path):
         ids = np.stack([rng.choice(n_expert, k, replace=False) for _ in range(T)])
         kx = 1 if "gate" in name else k
         x = activations(rng, (T, kx, n_in))
-        y = np.array(e(mx.array(x), ids, Numerics.DS4_CPU))
+        y = np.array(e.ds4_cpu(mx.array(x), ids))
         dot = quants.vec_dot_iq2_xxs_q8_k if e.qtype == GGMLType.IQ2_XXS else quants.vec_dot_q2_k_q8_k
         for t in range(T):
             for j in range(k):

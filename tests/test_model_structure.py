@@ -11,9 +11,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "ds4_mlx"
 
-# The architecture: written once against an ``Ops`` object.
+# The architecture: written once against an ``Ops`` object. The weights offer both arithmetics as
+# methods (``w(x)`` / ``w.ds4_cpu(x)``) and the ``Ops`` object picks one, so they take no mode either.
 ARCHITECTURE = ["attention.py", "compressor.py", "indexer.py", "hyper_connection.py", "moe.py", "transformer.py",
-                "compiled_decode.py", "runner.py", "state.py", "decode_cache.py", "rope.py", "numerics.py"]
+                "compiled_decode.py", "runner.py", "state.py", "decode_cache.py", "rope.py", "numerics.py",
+                "linear.py", "experts.py"]
 
 
 def _tree(rel: str) -> ast.Module:

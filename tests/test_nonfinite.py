@@ -15,14 +15,15 @@ from ds4_mlx.model.state import ModelState
 
 
 def _poison(src, dst, tensor: str, value: float) -> None:
-    """Copy the model and overwrite every element of one F32 tensor with ``value``."""
+    """Copy the model and overwrite every element of one F32 or F16 tensor with ``value``."""
     shutil.copyfile(src, dst)
     with GGUFFile(src) as f:
         t = f.tensor(tensor)
-        offset, count = t.offset, t.n_elements
+        offset, count, dtype = t.offset, t.n_elements, f.tensor_array(tensor).dtype
+    assert dtype in (np.float32, np.float16), dtype
     with open(dst, "r+b") as fh:
         fh.seek(offset)
-        fh.write(np.full(count, value, dtype=np.float32).tobytes())
+        fh.write(np.full(count, value, dtype=dtype).tobytes())
 
 
 @pytest.mark.parametrize("value", [np.nan, np.inf])
@@ -35,6 +36,15 @@ def test_nonfinite_layer_is_named_and_state_untouched(small_model_path, tmp_path
                                              r"\(non-finite weights in .*bad\.gguf\?\)"):
         net.forward_chunk(np.arange(1, 6), state)
     assert state.n_tokens == 0  # the caller's state is left as it was
+
+
+def test_nonfinite_embedding_is_named_before_any_layer(small_model_path, tmp_path):
+    # the embedding's flag is evaluated together with layer 0's: the embedding must still be named
+    bad = tmp_path / "bad_embd.gguf"
+    _poison(small_model_path, bad, "token_embd.weight", np.inf)
+    net = load_network(bad)
+    with pytest.raises(NonFiniteError, match="the token embedding produced non-finite values"):
+        net.forward_chunk(np.arange(1, 4), ModelState.empty(net.config))
 
 
 def test_nonfinite_output_head_is_named(small_model_path, tmp_path):

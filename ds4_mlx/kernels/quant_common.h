@@ -38,6 +38,16 @@ DS4_FN void ds4_stage_iq2(DS4_TGP ds4_u64* grid, DS4_TGP uchar* signs, uint tid,
     }
 }
 
+// Q4_K: the 6-bit scale and min of 32-element sub-block b (0..7) from the 12 packed bytes at sc,
+// returned as scale | (min << 8).
+DS4_FN uint ds4_q4k_scale_min(const DS4_GLOBAL uchar* sc, uint b) {
+    if (b < 4u) {
+        return (uint(sc[b]) & 63u) | ((uint(sc[b + 4u]) & 63u) << 8);
+    }
+    return ((uint(sc[b + 4u]) & 15u) | ((uint(sc[b - 4u]) >> 6) << 4))
+         | (((uint(sc[b + 4u]) >> 4) | ((uint(sc[b]) >> 6) << 4)) << 8);
+}
+
 // ---- scaled decoders: w[e] = weight 8 * part + e of 32-element chunk `sub` of `row` -------------------
 
 template <int QT>
@@ -76,16 +86,9 @@ DS4_FN void ds4_deq8(const DS4_GLOBAL uchar* row, uint sub, uint part, DS4_TGP c
         const uint b = sub & 7u;
         const float d = ds4_f16_at(blk);
         const float dmin = ds4_f16_at(blk + 2);
-        const DS4_GLOBAL uchar* sc = blk + 4;
-        uint s;
-        uint m;
-        if (b < 4u) {
-            s = uint(sc[b]) & 63u;
-            m = uint(sc[b + 4u]) & 63u;
-        } else {
-            s = (uint(sc[b + 4u]) & 15u) | ((uint(sc[b - 4u]) >> 6) << 4);
-            m = (uint(sc[b + 4u]) >> 4) | ((uint(sc[b]) >> 6) << 4);
-        }
+        const uint sm = ds4_q4k_scale_min(blk + 4, b);
+        const uint s = sm & 63u;
+        const uint m = sm >> 8;
         const float ds = d * float(s);
         const float dm = dmin * float(m);
         const DS4_GLOBAL uchar* qs = blk + 16u + 32u * (b >> 1) + 8u * part;
@@ -154,16 +157,9 @@ DS4_FN float ds4_dot32(const DS4_GLOBAL uchar* row, uint sub, DS4_THR const floa
         const uint b = sub & 7u;
         const float d = ds4_f16_at(blk);
         const float dmin = ds4_f16_at(blk + 2);
-        const DS4_GLOBAL uchar* sc = blk + 4;
-        uint s;
-        uint m;
-        if (b < 4u) {
-            s = uint(sc[b]) & 63u;
-            m = uint(sc[b + 4u]) & 63u;
-        } else {
-            s = (uint(sc[b + 4u]) & 15u) | ((uint(sc[b - 4u]) >> 6) << 4);
-            m = (uint(sc[b + 4u]) >> 4) | ((uint(sc[b]) >> 6) << 4);
-        }
+        const uint sm = ds4_q4k_scale_min(blk + 4, b);
+        const uint s = sm & 63u;
+        const uint m = sm >> 8;
         const DS4_GLOBAL uchar* qs = blk + 16u + 32u * (b >> 1);
         const uint shift = (b & 1u) * 4u;
         float q = 0.0f;

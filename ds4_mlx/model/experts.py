@@ -43,7 +43,7 @@ from ds4_mlx.formats.iq2xxs_tables import grid_bytes, sign_bits
 from ds4_mlx.formats.quants_mlx import dequantize_rows_mlx, quantize_q8_k_activation_mlx
 from ds4_mlx.model import metal_kernels
 from ds4_mlx.model.linear import Backend, resolve_backend
-from ds4_mlx.model.ops import DS4_CHUNK_ELEMENTS, Numerics, as_numerics, chunks
+from ds4_mlx.model.ops import DS4_CHUNK_ELEMENTS, chunks
 
 QK_K = 256
 
@@ -253,7 +253,19 @@ class ExpertWeights:
 
     # -- the call -----------------------------------------------------------------------------------
 
-    def __call__(self, x: mx.array, ids, numerics: "Numerics | str" = Numerics.DEFAULT) -> mx.array:
+    def __call__(self, x: mx.array, ids) -> mx.array:
+        """x [T, k|1, in], ids [T, k] -> [T, k, out] in DEFAULT numerics: the raw-block kernels
+        (``use_kernels``) or the cached dequantized experts."""
+        return self._apply(x, ids, self._kernel_pairs if self.use_kernels else self._dense_pairs)
+
+    def ds4_cpu(self, x: mx.array, ids) -> mx.array:
+        """The same with ds4.c's CPU expert arithmetic (module docstring), on the CPU stream."""
+        with mx.stream(mx.cpu):
+            return self._apply(x, ids, self._ds4_cpu_pairs)
+
+    def _apply(self, x: mx.array, ids, multiply) -> mx.array:
+        """Check the call, group its token-expert pairs by expert and count them; ``multiply(uniq,
+        x_rows, slot, rows)`` -> [T*k, out] does the arithmetic."""
         n_expert, out_dim, n_in = self.shape
         ids_np = np.asarray(ids).astype(np.int64, copy=False)
         if ids_np.ndim != 2:
@@ -277,15 +289,11 @@ class ExpertWeights:
         self.bytes_selected += int(uniq.size) * self.expert_nbytes
         self.calls += 1
         self.pairs += T * k
-        x_rows = x.reshape(T * kx, n_in)
-        if as_numerics(numerics) is Numerics.DS4_CPU:
-            with mx.stream(mx.cpu):
-                y = self._ds4_pairs(mx.array(self._read(uniq)), x_rows, slot, rows)
-        elif self.use_kernels:
-            y = metal_kernels.expert_matmul_kernel(mx.array(self._read(uniq)), self.qtype, x_rows, slot, rows)
-        else:
-            y = self._dense_pairs(uniq, x_rows, slot, rows)
+        y = multiply(uniq, x.reshape(T * kx, n_in), slot, rows)
         return y.reshape(T, k, out_dim)
+
+    def _kernel_pairs(self, uniq: np.ndarray, x_rows: mx.array, slot: np.ndarray, rows: np.ndarray) -> mx.array:
+        return metal_kernels.expert_matmul_kernel(mx.array(self._read(uniq)), self.qtype, x_rows, slot, rows)
 
     def _dense_pairs(self, uniq: np.ndarray, x_rows: mx.array, slot: np.ndarray, rows: np.ndarray) -> mx.array:
         """``expert_matmul_dense`` over groups of experts holding at most DENSE_GROUP_BYTES of float32
@@ -310,6 +318,9 @@ class ExpertWeights:
 
     # -- DS4_CPU ------------------------------------------------------------------------------------
 
+    def _ds4_cpu_pairs(self, uniq: np.ndarray, x_rows: mx.array, slot: np.ndarray, rows: np.ndarray) -> mx.array:
+        return self._ds4_pairs(mx.array(self._read(uniq)), x_rows, slot, rows)
+
     def _ds4_pairs(self, slabs: mx.array, x_rows: mx.array, slot: np.ndarray, rows: np.ndarray) -> mx.array:
         """Pairs p = (expert slab slot[p], input row rows[p]) -> [P, out] with ds4's CPU arithmetic."""
         _, out_dim, n_in = self.shape
@@ -324,8 +335,7 @@ class ExpertWeights:
         else:
             parts = _q4_k_parts(slabs, n_in)
             fn = _ds4_q4_k
-        order = np.argsort(slot, kind="stable")
-        bounds = np.searchsorted(slot[order], np.arange(int(slot.max()) + 2))
+        order, bounds, inverse = metal_kernels.pair_order(slot)
         # rows per chunk so the largest temporary, [sub-blocks, rows, out], stays below the bound
         step = max(1, DS4_CHUNK_ELEMENTS // ((n_in // 32) * out_dim))
         big = len(slot) > step
@@ -339,8 +349,6 @@ class ExpertWeights:
                 if big:
                     mx.eval(pieces[-1])
         y_sorted = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)
-        inverse = np.empty_like(order)
-        inverse[order] = np.arange(len(order))
         return mx.take(y_sorted, mx.array(inverse), axis=0)
 
 

@@ -2,15 +2,15 @@
 
 Interface (the architecture code uses only this):
 
-    Numerics.DEFAULT / Numerics.DS4_CPU                (defined in ``ops``, re-exported here)
     w = DenseWeight.from_gguf(gguf_file, name)        # 2-D (out, in): Q8_0, F16 or F32
-    y = w(x, numerics)                                 # x [..., in] float32 -> [..., out] float32
+    y = w(x)  /  w.ds4_cpu(x)                          # x [..., in] float32 -> [..., out] float32
     w.rows(start, stop)                                # a DenseWeight over a slice of output rows
     e = experts.ExpertWeights.from_gguf(gguf_file, name)  # 3-D (n_expert, out, in): IQ2_XXS/Q2_K/Q4_K
-    y = e(x, ids, numerics)                            # x [T, k|1, in], ids [T, k] int -> [T, k, out]
+    y = e(x, ids)  /  e.ds4_cpu(x, ids)                # x [T, k|1, in], ids [T, k] int -> [T, k, out]
 
-The architecture code does not call these with a mode: it calls ``ops.linear(w, x)`` /
-``ops.experts(e, x, ids)`` on the ``Ops`` object bound at load (``ops.py``), which passes its mode.
+``w(x)`` is the DEFAULT arithmetic, ``w.ds4_cpu(x)`` the DS4_CPU one. The architecture code calls
+neither: it calls ``ops.linear(w, x)`` / ``ops.experts(e, x, ids)`` on the ``Ops`` object bound at load
+(``ops.py``), which picks one; nothing here takes or tests a mode.
 
 Additions to that contract (all optional): ``backend=`` on both constructors (below); ``use_kernels=``
 (DenseWeight: opt-in raw-block Q8_0 kernel on Metal; ExpertWeights: default on when Metal is available);
@@ -26,7 +26,7 @@ available and the default device is the GPU) decides how weights are kept for th
 * METAL: Q8_0 weights become MLX affine 8-bit group-32 matrices (lossless, see ``q8_0_to_affine``) and are
   multiplied with ``mx.quantized_matmul``; F16/F32 weights are cached as float32.
 
-``Numerics.DS4_CPU`` reproduces the arithmetic of ds4.c's CPU reference (its portable, non-NEON branch,
+``ds4_cpu`` (the DS4_CPU numerics) reproduces the arithmetic of ds4.c's CPU reference (its portable, non-NEON branch,
 which is what a strict x86 build runs), so per-layer comparison with the oracle can be tight:
 
 * Q8_0 [dot_q8_0_row]: the activation row is quantized per 32 (``quantize_q8_0_activation``); per block b
@@ -56,12 +56,11 @@ from ds4_mlx.formats.ggml_types import GGMLType
 from ds4_mlx.formats.quants import dequantize_rows
 from ds4_mlx.formats.quants_mlx import quantize_q8_0_activation_mlx
 from ds4_mlx.model import metal_kernels
-from ds4_mlx.model.ops import DS4_CHUNK_ELEMENTS, Numerics, as_numerics, chunks
+from ds4_mlx.model.ops import DS4_CHUNK_ELEMENTS, chunks
 
 __all__ = [
     "Backend",
     "DenseWeight",
-    "Numerics",
     "default_backend",
     "q8_0_to_affine",
     "resolve_backend",
@@ -278,7 +277,16 @@ class DenseWeight:
 
     # -- multiplication ---------------------------------------------------------------------------
 
-    def __call__(self, x: mx.array, numerics: "Numerics | str" = Numerics.DEFAULT) -> mx.array:
+    def __call__(self, x: mx.array) -> mx.array:
+        """x [..., in] -> [..., out] in DEFAULT numerics (the backend's fast matmul)."""
+        return self._apply(x, self._fast_matmul)
+
+    def ds4_cpu(self, x: mx.array) -> mx.array:
+        """x [..., in] -> [..., out] with ds4.c's CPU arithmetic (module docstring), on the CPU stream."""
+        with mx.stream(mx.cpu):
+            return self._apply(x, self._ds4_matmul)
+
+    def _apply(self, x: mx.array, matmul) -> mx.array:
         out_dim, n_in = self.shape
         if x.shape[-1:] != (n_in,):
             raise LayoutError(f"tensor {self.name!r}: input has shape {tuple(x.shape)}, last axis must be {n_in}")
@@ -286,12 +294,7 @@ class DenseWeight:
         x2 = x.reshape(-1, n_in)
         if x2.dtype != mx.float32:
             x2 = x2.astype(mx.float32)
-        if as_numerics(numerics) is Numerics.DS4_CPU:
-            with mx.stream(mx.cpu):
-                y = self._ds4_matmul(x2)
-        else:
-            y = self._fast_matmul(x2)
-        return y.reshape(*lead, out_dim)
+        return matmul(x2).reshape(*lead, out_dim)
 
     def _fast_matmul(self, x2: mx.array) -> mx.array:
         if self.backend is Backend.METAL and self.qtype == GGMLType.Q8_0 and self.use_kernels:

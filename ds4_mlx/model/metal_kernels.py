@@ -98,6 +98,13 @@ def available() -> bool:
     return bool(mx.metal.is_available())
 
 
+def available_dialects() -> list[str]:
+    """The dialects whose kernels can run here: "metal" with a Metal device, "cuda" with MLX's CUDA
+    backend (``mx.fast.cuda_kernel``)."""
+    cuda = getattr(mx, "cuda", None)
+    return [d for d, ok in (("metal", available()), ("cuda", cuda is not None and cuda.is_available())) if ok]
+
+
 def _read_kernel_file(name: str) -> str:
     return resources.files("ds4_mlx").joinpath("kernels", name).read_text(encoding="utf-8")
 
@@ -176,7 +183,7 @@ def q8_0_matvec_kernel(w_raw: mx.array, x: mx.array, dialect: str = "metal") -> 
 # routed experts
 
 
-def _pair_order(slot: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def pair_order(slot: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(order: pairs sorted by slot, stable; bounds: slot s owns order[bounds[s]:bounds[s+1]]; inverse)."""
     order = np.argsort(slot, kind="stable")
     bounds = np.searchsorted(slot[order], np.arange(int(slot.max()) + 2 if slot.size else 1))
@@ -209,7 +216,7 @@ def expert_matmul_dense(weights: list[mx.array], x: mx.array, slot, rows) -> mx.
     out_dim = weights[0].shape[0]
     if slot.size == 0:
         return mx.zeros((0, out_dim), dtype=mx.float32)
-    order, bounds, inverse = _pair_order(slot)
+    order, bounds, inverse = pair_order(slot)
     x = x.astype(mx.float32)
     pieces = []
     for s in range(len(bounds) - 1):
@@ -261,20 +268,21 @@ def swiglu_twin(gate: mx.array, up: mx.array, clamp: float) -> mx.array:
     return DEFAULT_OPS.silu(mx.minimum(gate, c)) * mx.clip(up, -c, c)
 
 
-def _check_clamp(clamp) -> float:
+def _check_swiglu(gate_slabs: mx.array, up_slabs: mx.array, clamp) -> float:
+    """The clamp as a float, after checking it and that gate and up slabs match."""
     c = float(clamp)
     if not np.isfinite(c) or c <= 0.0:
         raise LayoutError(f"expert_swiglu: the SwiGLU clamp must be a positive finite number, got {clamp!r}")
+    if tuple(gate_slabs.shape) != tuple(up_slabs.shape):
+        raise LayoutError(f"expert_swiglu: gate slabs {tuple(gate_slabs.shape)} and up slabs "
+                          f"{tuple(up_slabs.shape)} differ")
     return c
 
 
 def expert_swiglu_twin(gate_slabs: mx.array, up_slabs: mx.array, qtype: GGMLType, x: mx.array, slot, rows,
                        clamp: float) -> mx.array:
     """MLX-ops twin of the fused kernel: swiglu(gate pairs, up pairs) -> float32 [P, out]."""
-    c = _check_clamp(clamp)
-    if tuple(gate_slabs.shape) != tuple(up_slabs.shape):
-        raise LayoutError(f"expert_swiglu: gate slabs {tuple(gate_slabs.shape)} and up slabs "
-                          f"{tuple(up_slabs.shape)} differ")
+    c = _check_swiglu(gate_slabs, up_slabs, clamp)
     g = expert_matmul_twin(gate_slabs, qtype, x, slot, rows)
     u = expert_matmul_twin(up_slabs, qtype, x, slot, rows)
     return swiglu_twin(g, u, c)
@@ -284,10 +292,7 @@ def expert_swiglu_kernel(gate_slabs: mx.array, up_slabs: mx.array, qtype: GGMLTy
                          clamp: float, dialect: str = "metal") -> mx.array:
     """Fused decode kernel (gate and up in one pass over x): same contract as ``expert_swiglu_twin``."""
     qtype = GGMLType(qtype)
-    c = _check_clamp(clamp)
-    if tuple(gate_slabs.shape) != tuple(up_slabs.shape):
-        raise LayoutError(f"expert_swiglu: gate slabs {tuple(gate_slabs.shape)} and up slabs "
-                          f"{tuple(up_slabs.shape)} differ")
+    c = _check_swiglu(gate_slabs, up_slabs, clamp)
     n_in, slot, rows = _check_pairs(gate_slabs, qtype, x, slot, rows, "expert_swiglu")
     _, out_dim, row_bytes = gate_slabs.shape
     P = slot.size
@@ -310,7 +315,7 @@ def gather_tiles(slot: np.ndarray, tile: int = GATHER_TILE):
     Returns (order, inverse, tile_slot, tile_start, tile_count): sorted pair i is original pair order[i];
     tile t covers sorted pairs [tile_start[t], tile_start[t] + tile_count[t]) of slab tile_slot[t].
     """
-    order, bounds, inverse = _pair_order(slot)
+    order, bounds, inverse = pair_order(slot)
     starts, counts, slots = [], [], []
     for s in range(len(bounds) - 1):
         for a in range(int(bounds[s]), int(bounds[s + 1]), tile):

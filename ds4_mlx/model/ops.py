@@ -71,11 +71,11 @@ class DefaultOps:
 
     def linear(self, w, x: mx.array) -> mx.array:
         """``DenseWeight`` w applied to x [..., in] -> [..., out]."""
-        return w(x, self.numerics)
+        return w(x)
 
     def experts(self, e, x: mx.array, ids) -> mx.array:
         """``ExpertWeights`` e on x [T, k|1, in] for expert ids [T, k] -> [T, k, out]."""
-        return e(x, ids, self.numerics)
+        return e(x, ids)
 
     # -- elementwise -------------------------------------------------------------------------------
 
@@ -201,6 +201,12 @@ class Ds4CpuOps(DefaultOps):
     def stream(self):
         # float64 steps; the reference arithmetic is a CPU one anyway
         return mx.stream(mx.cpu)
+
+    def linear(self, w, x: mx.array) -> mx.array:
+        return w.ds4_cpu(x)  # Q8-quantized activations, integer block sums (``linear``)
+
+    def experts(self, e, x: mx.array, ids) -> mx.array:
+        return e.ds4_cpu(x, ids)  # Q8_K-quantized activations, integer super-block sums (``experts``)
 
     def rms_norm(self, x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
         # ds4: Σx² in double, mean rounded to float, then 1/sqrtf(mean + eps) and (x·scale)·w.

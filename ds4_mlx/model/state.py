@@ -90,6 +90,14 @@ class LayerState:
     attn: CompressorState | None = None
     index: CompressorState | None = None
 
+    def arrays(self) -> list[mx.array]:
+        """The layer's arrays in ``state_layout`` order: raw, then each lane's rows / kst / gst."""
+        out = [self.raw]
+        for c in (self.attn, self.index):
+            if c is not None:
+                out += [c.rows, c.kst, c.gst]
+        return out
+
 
 @dataclass
 class ModelState:
@@ -116,24 +124,15 @@ class ModelState:
             return None if c is None else CompressorState(c.rows, c.kst, c.gst)
         return ModelState(self.n_tokens, [LayerState(l.raw, cc(l.attn), cc(l.index)) for l in self.layers])
 
-    def _array(self, spec: StateArray) -> mx.array:
-        layer = self.layers[spec.layer]
-        if spec.lane == 0:
-            return layer.raw
-        lane = layer.attn if spec.lane == 1 else layer.index
-        if lane is None:
-            raise InferenceError(f"model state: layer {spec.layer} has no {LANES[spec.lane]} lane")
-        return getattr(lane, FIELDS[spec.field])
-
     def arrays(self) -> list[mx.array]:
         """The state's arrays in ``state_layout`` order."""
-        return [self._array(spec) for spec in state_layout_of(self)]
+        return [a for layer in self.layers for a in layer.arrays()]
 
     def to_numpy(self) -> dict[str, np.ndarray]:
         """Flat dict of float32 arrays (plus ``n_tokens``), keys ``layer.{il}.{raw|attn.rows|…}``."""
         d: dict[str, np.ndarray] = {"n_tokens": np.array(self.n_tokens, dtype=np.int64)}
-        for spec in state_layout_of(self):
-            d[spec.key] = np.array(self._array(spec), dtype=np.float32)
+        for spec, a in zip(state_layout_of(self), self.arrays()):
+            d[spec.key] = np.array(a, dtype=np.float32)
         return d
 
     @classmethod

@@ -103,7 +103,9 @@ class Model:
         p0 = state.n_tokens
         H = self.embed(tokens)
         where = f"positions {p0}..{p0 + len(tokens) - 1}"
-        _check_finite(H, "the token embedding", where, self.source)
+        # Each stage's finiteness is a scalar evaluated in the layer's own mx.eval, so the checks add
+        # no synchronisation; the embedding's rides with layer 0's.
+        pending = [("the token embedding", _all_finite(H))]
         layers = []
         # A chunk of many tokens reads nearly every expert slab of a layer out of the mapping; those
         # clean file pages are released layer by layer (the whole GGUF mapping, found through the
@@ -114,14 +116,19 @@ class Model:
                 self.source.check_intact()  # and before each further layer's weights
             H, ls = block(H, tokens, p0, ls)
             layers.append(ls)
-            mx.eval(H, *_arrays(ls))
-            _check_finite(H, f"layer {block.il}", where, self.source)
+            pending.append((f"layer {block.il}", _all_finite(H)))
+            mx.eval(H, *ls.arrays(), *(ok for _, ok in pending))
+            _raise_nonfinite(pending, where, self.source)
+            pending = []
             if release:
                 allocator.release_file_pages(self.embedding)
         new_state = ModelState(p0 + len(tokens), layers)
-        logits = self.head(H[-1:])[0] if want_logits else None
-        if logits is not None:
-            _check_finite(logits, "the output head", where, self.source)
+        logits = None
+        if want_logits:
+            logits = self.head(H[-1:])[0]
+            ok = _all_finite(logits)
+            mx.eval(logits, ok)
+            _raise_nonfinite([("the output head", ok)], where, self.source)
         if release:
             allocator.release_file_pages(self.embedding)  # the output matrix, on its first use
         return logits, new_state
@@ -131,22 +138,21 @@ class Model:
         return Runner(self, ctx=ctx, chunk=chunk, compile=compile)
 
 
-def _check_finite(x: mx.array, what: str, where: str, source) -> None:
-    """Raise ``NonFiniteError`` naming the first stage whose output holds NaN/Inf.
-
-    Checked after every layer of a chunk, where the chunk path evaluates anyway (one small
-    reduction per layer, no extra pass), so a damaged file is named at the prompt's prefill and the
-    caller's state is left as it was (the new state is never returned). Decode steps are checked on
-    their logits by the session."""
-    if not mx.all(mx.isfinite(x)).item():
-        path = getattr(source, "path", None)
-        hint = f" (non-finite weights in {path}?)" if path else ""
-        raise NonFiniteError(f"{what} produced non-finite values (NaN/Inf) at {where}{hint}")
+def _all_finite(x: mx.array) -> mx.array:
+    """A lazy boolean scalar: no NaN/Inf in ``x``."""
+    return mx.all(mx.isfinite(x))
 
 
-def _arrays(ls: LayerState) -> list[mx.array]:
-    out = [ls.raw]
-    for c in (ls.attn, ls.index):
-        if c is not None:
-            out += [c.rows, c.kst, c.gst]
-    return out
+def _raise_nonfinite(checks: list[tuple[str, mx.array]], where: str, source) -> None:
+    """Raise ``NonFiniteError`` naming the first stage in ``checks`` ((what, evaluated flag) in
+    order) whose output holds NaN/Inf.
+
+    Checked after every layer of a chunk, so a damaged file is named at the prompt's prefill and the
+    caller's state is left as it was (the new state is never returned). Decode steps of the compiled
+    path are checked on their logits by the session."""
+    for what, ok in checks:
+        if not ok.item():
+            path = getattr(source, "path", None)
+            hint = f" (non-finite weights in {path}?)" if path else ""
+            raise NonFiniteError(f"{what} produced non-finite values (NaN/Inf) at {where}{hint}")
+

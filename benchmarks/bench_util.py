@@ -1,0 +1,41 @@
+"""What the weight benchmarks share: valid random GGUF blocks and a timing loop.
+
+Imported by the benchmark scripts as ``bench_util`` (a script's own folder is first on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from ds4_mlx.formats.ggml_types import BLOCK_GEOMETRY, GGMLType
+from ds4_mlx.formats.quants import quantize_q8_0
+
+
+def random_blocks(rng, qtype: GGMLType, lead: tuple[int, ...], n_in: int) -> np.ndarray:
+    """uint8 [*lead, n_in/elems*block_bytes]: Q8_0 quantized Gaussian rows, or random codes of
+    IQ2_XXS / Q2_K / Q4_K with moderate f16 scales (every byte pattern of their codes is valid)."""
+    if qtype == GGMLType.Q8_0:
+        return quantize_q8_0(rng.standard_normal((*lead, n_in)).astype(np.float32) * 0.02)
+    elems, block_bytes = BLOCK_GEOMETRY[qtype]
+    nb = n_in // elems
+    raw = rng.integers(0, 256, size=(*lead, nb, block_bytes), dtype=np.uint8)
+    for off in {GGMLType.IQ2_XXS: (0,), GGMLType.Q2_K: (80, 82), GGMLType.Q4_K: (0, 2)}[qtype]:
+        d = (rng.uniform(0.5, 2.0, size=(*lead, nb)) * 1e-3).astype(np.float16)
+        raw[..., off:off + 2] = d.view(np.uint8).reshape(*lead, nb, 2)
+    return raw.reshape(*lead, nb * block_bytes)
+
+
+def timed(fn, min_time: float = 0.3, max_iter: int = 200) -> float:
+    """Seconds per call (after one warm-up call), repeating until ``min_time`` has passed or
+    ``max_iter`` calls were made."""
+    mx.eval(fn())
+    n, start = 0, time.perf_counter()
+    while True:
+        mx.eval(fn())
+        n += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_time or n >= max_iter:
+            return elapsed / n
