@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from small_model import SMALL_MODEL_ARGS
+
 DATA = Path(__file__).resolve().parent / "data"
 ORACLE = DATA / "oracle"
 ORACLE_SHA256 = "4f967c3e99f0ec622362d123f1e9495ae3ab29b9c83f943fd78d257f37b73791"
@@ -29,11 +31,7 @@ ORACLE_SHA256 = "4f967c3e99f0ec622362d123f1e9495ae3ab29b9c83f943fd78d257f37b7379
 # our generator's oracle_bytes mode; tests/data/oracle/generator_sha256.json has the oracle's sha256 of each.
 GENERATOR_CASES = {
     "tiny": [],
-    # tests/small_model.py without a tokenizer
-    "small_model_no_tokenizer": [
-        "--n-vocab", "512", "--n-layer", "4", "--n-embd", "256", "--n-head", "2", "--head-dim", "192",
-        "--n-out-group", "1", "--q-lora", "64", "--o-lora", "32", "--n-expert", "4", "--n-expert-used", "2",
-        "--n-ff-exp", "256", "--n-indexer-head", "2", "--indexer-top-k", "4", "--swa", "8", "--no-tokenizer"],
+    "small_model_no_tokenizer": [*SMALL_MODEL_ARGS, "--no-tokenizer"],
     # tests/test_tiny_model.py's SMALL dims
     "small_layout": [
         "--n-layer", "5", "--n-embd", "256", "--n-vocab", "1000", "--n-head", "4", "--head-dim", "192",
