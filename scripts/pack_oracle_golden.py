@@ -228,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--verify", action="store_true",
                       help="check tests/data against the shared/ folder instead of packing")
     args = ap.parse_args(argv)
+    missing = [d for d in ("oracle/golden", "test-vectors", "bench-data", "spec") if not (args.shared / d).is_dir()]
+    if missing:
+        ap.error(f"--shared {args.shared}: not the oracle's folder (no {', '.join(missing)})")
     if args.verify:
         problems = verify(args.shared)
         for line in problems:
