@@ -16,6 +16,12 @@ What is packed, and why that is enough (the assertions that read each item are i
     ``oracle_bytes`` mode is checked against it.
 
     python scripts/pack_oracle_golden.py --shared ../shared --out tests/data
+    python scripts/pack_oracle_golden.py --shared ../shared --verify
+
+``--verify`` is the cross-check a developer runs after packing (the test suite never reads ``shared/``):
+it packs again into a temporary folder and requires the same contents as tests/data (every array equal,
+every other file byte for byte), and checks through tests/oracle_golden.py's readers what the tests rely
+on: each row's digest is the float32 original's, and each stored error bounds the copy's real error.
 """
 
 from __future__ import annotations
@@ -34,6 +40,11 @@ from pathlib import Path
 
 import numpy as np
 
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+import oracle_golden  # noqa: E402  (the readers the tests use, and what they share with the packer)
+from oracle_golden import GENERATOR_CASES, row_sha256  # noqa: E402
+
 CASES = ("raw_short", "chat_nothink", "dev_long")
 STEP_BITS = 12  # code step = rms(row) * 2^-STEP_BITS
 
@@ -47,12 +58,6 @@ def save_npz_xz(path: Path, arrays: dict[str, np.ndarray]) -> None:
     buf = io.BytesIO()
     np.savez(buf, **arrays)
     path.write_bytes(xz(buf.getvalue()))
-
-
-def row_sha256(a: np.ndarray) -> np.ndarray:
-    """uint8 [n, 32]: sha256 of the little-endian float32 bytes of each a[i]."""
-    a = np.ascontiguousarray(a, dtype="<f4")
-    return np.array([np.frombuffer(hashlib.sha256(r.tobytes()).digest(), np.uint8) for r in a], np.uint8)
 
 
 def pack_logits(golden: Path, out: Path, case: str) -> None:
@@ -71,7 +76,9 @@ def pack_logits(golden: Path, out: Path, case: str) -> None:
                                                 "sha256": row_sha256(full)})
 
 
-def pack_layers(golden: Path, out: Path, case: str) -> None:
+def load_layers(golden: Path, case: str) -> dict[str, np.ndarray]:
+    """The oracle's layer dump with one key per state (``layer_in_<i>``, ``after_attn_<i>``) and
+    ``prompt_tokens``."""
     z = np.load(golden / f"{case}.layers.npz")
     d = {k: z[k] for k in z.files}
     if "layer_in" in d:  # stacked form -> per-layer keys
@@ -79,6 +86,11 @@ def pack_layers(golden: Path, out: Path, case: str) -> None:
             for i in range(d[name].shape[0]):
                 d[f"{name}_{i}"] = d[name][i]
             del d[name]
+    return d
+
+
+def pack_layers(golden: Path, out: Path, case: str) -> None:
+    d = load_layers(golden, case)
     arrays = {"prompt_tokens": d.pop("prompt_tokens").astype(np.int32)}
     for key, a in sorted(d.items()):
         a64 = a.astype(np.float64)
@@ -95,7 +107,7 @@ def pack_layers(golden: Path, out: Path, case: str) -> None:
 
 
 def spec_constants(spec: str) -> dict[str, str]:
-    """The escaped constants as tests/test_chat_template.py used to cut them from the spec."""
+    """The escaped constants of spec §11.6, cut from the document by their labels."""
     def fenced(label: str) -> str:
         return re.compile(r"```\n(.*?)\n```", re.S).search(spec, spec.index(label)).group(1).replace("\\n", "\n")
 
@@ -111,11 +123,6 @@ def spec_constants(spec: str) -> dict[str, str]:
 
 def generator_digests(generator: Path) -> dict[str, str]:
     """sha256 of the oracle generator's files for the dims the tests build with our generator."""
-    repo = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(repo))
-    sys.path.insert(0, str(repo / "tests"))
-    from oracle_golden import GENERATOR_CASES  # noqa: E402
-
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, args in GENERATOR_CASES.items():
@@ -126,12 +133,7 @@ def generator_digests(generator: Path) -> dict[str, str]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shared", required=True, type=Path, help="the shared/ folder (oracle/, test-vectors/, ...)")
-    ap.add_argument("--out", required=True, type=Path, help="tests/data")
-    args = ap.parse_args(argv)
-    src, out = args.shared, args.out
+def pack(src: Path, out: Path) -> None:
     golden = src / "oracle" / "golden"
     odir = out / "oracle"
     (odir / "golden" / "prompts").mkdir(parents=True, exist_ok=True)
@@ -160,8 +162,84 @@ def main(argv: list[str] | None = None) -> int:
     spec = (src / "spec" / "ARCHITECTURE.md").read_text(encoding="utf-8")
     (out / "spec_constants.json").write_text(json.dumps(spec_constants(spec), indent=1, ensure_ascii=False) + "\n",
                                              encoding="utf-8")
-    total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-    print(f"packed into {out}: {total / 2**20:.1f} MiB")
+
+
+def _packed_files(d: Path) -> set[Path]:
+    # README.md documents the folder; the packer does not write it
+    return {p.relative_to(d) for p in d.rglob("*") if p.is_file() and p.relative_to(d) != Path("README.md")}
+
+
+def _same_npz_xz(a: Path, b: Path) -> bool:
+    """Same arrays (names, dtypes, shapes, bytes): np.savez stamps the time into its zip entries, so
+    two packings of the same data differ in bytes but not in content."""
+    za, zb = oracle_golden._npz_xz(a), oracle_golden._npz_xz(b)
+    return za.keys() == zb.keys() and all(
+        za[k].dtype == zb[k].dtype and za[k].shape == zb[k].shape and za[k].tobytes() == zb[k].tobytes() for k in za)
+
+
+def verify(src: Path) -> list[str]:
+    """What differs between tests/data and the oracle's folder ``src``, one line each (empty: all agree)."""
+    data = oracle_golden.DATA
+    problems = []
+    with tempfile.TemporaryDirectory() as tmp:
+        fresh = Path(tmp)
+        pack(src, fresh)
+        ours, theirs = _packed_files(data), _packed_files(fresh)
+        problems += [f"{p}: in tests/data, not packed from {src}" for p in sorted(ours - theirs)]
+        problems += [f"{p}: packed from {src}, missing from tests/data" for p in sorted(theirs - ours)]
+        for rel in sorted(ours & theirs):
+            same = (_same_npz_xz(data / rel, fresh / rel) if rel.name.endswith(".npz.xz")
+                    else (data / rel).read_bytes() == (fresh / rel).read_bytes())
+            if not same:
+                problems.append(f"{rel}: differs from a fresh packing")
+
+    # what the tests assume of the reduced copies, read the way they read them
+    golden = src / "oracle" / "golden"
+    slack = 1 + 1e-9
+    for case in CASES:
+        full = np.load(golden / f"{case}.logits.npy")
+        packed = oracle_golden.Logits(case)
+        if not np.array_equal(row_sha256(full), packed.sha256):
+            problems.append(f"{case} logits: row digests are not the float32 rows'")
+        for i in range(len(full)):
+            if oracle_golden.rms(packed.approx[i] - full[i]) > packed.err_rms[i] * slack:
+                problems.append(f"{case} logits row {i}: the float16 copy's error exceeds its stored err_rms")
+        layers = oracle_golden.layer_dump(case)
+        for key, a in load_layers(golden, case).items():
+            if key == "prompt_tokens":
+                if not np.array_equal(layers[key], a):
+                    problems.append(f"{case} layers: prompt_tokens differ")
+                continue
+            st = layers[key]
+            if not st.exact_rows(a).all():
+                problems.append(f"{case} {key}: row digests are not the float32 rows'")
+            a64 = a.astype(np.float64)
+            if oracle_golden.rms(st.approx - a64) > st.err_rms * slack or \
+                    abs(st.rms - oracle_golden.rms(a64)) > st.rms * 1e-12:
+                problems.append(f"{case} {key}: stored rms / err_rms do not bound the copy")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shared", required=True, type=Path, help="the shared/ folder (oracle/, test-vectors/, ...)")
+    mode = ap.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--out", type=Path, help="pack into this folder (tests/data)")
+    mode.add_argument("--verify", action="store_true",
+                      help="check tests/data against the shared/ folder instead of packing")
+    args = ap.parse_args(argv)
+    missing = [d for d in ("oracle/golden", "test-vectors", "bench-data", "spec") if not (args.shared / d).is_dir()]
+    if missing:
+        ap.error(f"--shared {args.shared}: not the oracle's folder (no {', '.join(missing)})")
+    if args.verify:
+        problems = verify(args.shared)
+        for line in problems:
+            print(line, file=sys.stderr)
+        print(f"tests/data {'differs from' if problems else 'agrees with'} {args.shared}")
+        return 1 if problems else 0
+    pack(args.shared, args.out)
+    total = sum(p.stat().st_size for p in args.out.rglob("*") if p.is_file())
+    print(f"packed into {args.out}: {total / 2**20:.1f} MiB")
     return 0
 
 

@@ -90,13 +90,13 @@ def ds4_tokenizer(tokenizer_json_path) -> Tokenizer:
 @pytest.fixture(scope="session")
 def hf_tokenizer(tokenizer_json_path):
     """HF ``tokenizers`` on the same file, as shipped: the oracle for ``encode_hf_compatible``."""
-    hf_tokenizers = pytest.importorskip("tokenizers")
+    import tokenizers as hf_tokenizers  # a dev dependency: missing, these tests fail rather than skip
     return hf_tokenizers.Tokenizer.from_file(str(tokenizer_json_path))
 
 
 @pytest.fixture(scope="session")
 def hf_plain_tokenizer(tokenizer_json_path):
     """HF on the same tokenizer.json with ``added_tokens`` emptied: the oracle for plain ``encode``."""
-    hf_tokenizers = pytest.importorskip("tokenizers")
+    import tokenizers as hf_tokenizers  # a dev dependency: missing, these tests fail rather than skip
     tj = json.loads(tokenizer_json_path.read_text(encoding="utf-8"))
     return hf_tokenizers.Tokenizer.from_str(json.dumps(dict(tj, added_tokens=[])))

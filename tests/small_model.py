@@ -46,16 +46,6 @@ _ORACLE_CONFIG_NAMES = {
 }
 
 
-def oracle_generator() -> Path:
-    """shared/oracle/make_tiny_gguf.py, in DS4_MLX_SHARED or next to the repository (optional: only the
-    script that packs the oracle's golden data and cross-checks use it)."""
-    env = os.environ.get("DS4_MLX_SHARED")
-    p = (Path(env) if env else REPO.parent / "shared") / "oracle" / "make_tiny_gguf.py"
-    if not p.is_file():
-        raise FileNotFoundError(f"oracle generator not found at {p} (set DS4_MLX_SHARED)")
-    return p
-
-
 def _oracle_style_summary(path: Path) -> None:
     """Rewrite our generator's summary with the oracle summary's config names (ours kept as
     ``generator_config``)."""
@@ -90,29 +80,23 @@ def write_small_tokenizer_json(path: Path, n_vocab: int = 512) -> Path:
 
 
 def build_small_model(out: Path, *, tokenizer: bool = True, extra_args: list[str] = (),
-                      summary_json: Path | None = None, generator: Path | None = None) -> Path:
-    """Write the small model, byte for byte what the oracle's generator writes for these dims.
-
-    ``generator`` defaults to the project's ``scripts/make_tiny_model.py`` run with ``--oracle-bytes``
-    (pass :func:`oracle_generator` to use the oracle's own script); ``summary_json`` asks the generator
-    for its description of what it wrote (config, with the oracle's names, and tensor list)."""
+                      summary_json: Path | None = None) -> Path:
+    """Write the small model with the project's ``scripts/make_tiny_model.py --oracle-bytes``: byte for
+    byte what the oracle's generator writes for these dims. ``summary_json`` asks the generator for its
+    description of what it wrote (config, with the oracle's names, and tensor list)."""
     out = Path(out)
-    ours = generator is None
-    gen = PROJECT_GENERATOR if ours else generator
-    cmd = [sys.executable, str(gen), "--out", str(out), *SMALL_MODEL_ARGS, *extra_args]
-    if ours:
-        cmd += ["--oracle-bytes", "--quiet"]
+    cmd = [sys.executable, str(PROJECT_GENERATOR), "--out", str(out), *SMALL_MODEL_ARGS, *extra_args,
+           "--oracle-bytes", "--quiet"]
     if tokenizer:
         cmd += ["--tokenizer-json", str(write_small_tokenizer_json(out.with_suffix(".tokenizer.json")))]
     else:
         cmd += ["--no-tokenizer"]
     if summary_json is not None:
         cmd += ["--summary-json", str(summary_json)]
-    env = None
-    if ours:  # the script imports ds4_mlx: the tree these tests belong to, installed or not
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    # the script imports ds4_mlx: the tree these tests belong to, installed or not
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
-    if ours and summary_json is not None:
+    if summary_json is not None:
         _oracle_style_summary(Path(summary_json))
     return out
 

@@ -21,9 +21,10 @@ REPO = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"^```(\w+)([^\n]*)\n(.*?)^```", re.S | re.M)
 
 
-def runnable_blocks() -> list[tuple[str, str, int]]:
-    """(language, code, line number) of the README's runnable blocks."""
-    text = (REPO / "README.md").read_text(encoding="utf-8")
+def runnable_blocks(text: str | None = None) -> list[tuple[str, str, int]]:
+    """(language, code, line number) of the runnable blocks of ``text`` (default: the README)."""
+    if text is None:
+        text = (REPO / "README.md").read_text(encoding="utf-8")
     out = []
     for m in FENCE.finditer(text):
         lang, info, code = m.group(1), m.group(2), m.group(3)
@@ -40,8 +41,7 @@ def test_readme_has_runnable_shell_and_python_blocks():
 def test_fence_parser_finds_marked_blocks_only():
     """The extraction itself: a marked block is found, an unmarked one is not."""
     sample = "x\n```bash runnable\necho hi\n```\n```bash\necho no\n```\n"
-    found = [(m.group(1), m.group(3)) for m in FENCE.finditer(sample) if "runnable" in m.group(2).split()]
-    assert found == [("bash", "echo hi\n")]
+    assert runnable_blocks(sample) == [("bash", "echo hi\n", 2)]
 
 
 _BLOCKS = runnable_blocks()

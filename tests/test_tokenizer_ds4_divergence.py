@@ -13,8 +13,6 @@ import json
 
 import pytest
 
-hf_tokenizers = pytest.importorskip("tokenizers")
-
 
 def golden(oracle_dir, case: str) -> tuple[dict, str]:
     g = json.loads((oracle_dir / "golden" / f"{case}.json").read_text(encoding="utf-8"))

@@ -19,12 +19,8 @@ import random
 import time
 from pathlib import Path
 
-import pytest
-
 from ds4_mlx.tokenizer import Tokenizer
 from ds4_mlx.tokenizer.byte_map import text_to_unicode
-
-hf_tokenizers = pytest.importorskip("tokenizers")
 
 MIN_CORPUS_BYTES = 1_000_000
 
