@@ -30,9 +30,17 @@ What is measured (``--rounds`` interleaved rounds after one untimed warm-up roun
   engine's own loop); the peer: its ``generate_step`` loop (each step's graph built and ``async_eval``-ed
   before the previous token is read with ``.item()``), so each side is timed the way its users run it.
 
-The logit check first runs a short prompt on both (last-position logits, teacher-forced decode steps, each
-side's own greedy tokens) and reports the largest |Δlogit|; the benchmark rounds add the same figures for the
-long prompt.
+Logit checks (``--check-tokens 0`` skips them):
+* as run: a short prompt on both (last-position logits, teacher-forced decode steps, each side's own greedy
+  tokens), and the same figures for the long prompt from the first timed round. These differ by design:
+  ds4 (and so ours) rounds KV rows to FP8 and f16 and the indexer's vectors to FP4 after a Hadamard
+  transform, clamps the shared expert's SwiGLU, and carries the ratio-4 compressor's previous window across
+  calls; the peer does none of these (the first window it emits in a call pools without the previous
+  window: at every 4th decode step, and at the last prompt token, which ``generate_step`` feeds as a step,
+  when that token closes a window: it does for a 24-token prompt, not for 993).
+* aligned, after the timed rounds: ours with those roundings switched off (a patch of our model modules,
+  undone afterwards; a fresh load) and the peer with its shared expert clamped and the whole prompt in one
+  call. What remains is float32 rounding (~1e-5) if every weight went to the right place.
 """
 
 from __future__ import annotations
