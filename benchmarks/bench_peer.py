@@ -427,6 +427,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object (nothing else on stdout)")
     args = ap.parse_args(argv)
 
+    for name in ("prompt_tokens", "decode", "rounds"):
+        if getattr(args, name) < 1:
+            print(f"bench_peer: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
+            return 2
+    if args.check_tokens < 0 or args.check_decode < 0:
+        print("bench_peer: --check-tokens and --check-decode must be >= 0", file=sys.stderr)
+        return 2
     if not args.peer:
         print(f"bench_peer: needs --peer PATH, an mlx-lm checkout of PR #1192; get one with: {GET_PEER}",
               file=sys.stderr)
@@ -434,13 +441,6 @@ def main(argv: list[str] | None = None) -> int:
     if not args.model:
         print("bench_peer: needs --model PATH (a DS4 Flash GGUF, e.g. the tiny model) or $DS4_MLX_TINY_MODEL",
               file=sys.stderr)
-        return 2
-    for name in ("prompt_tokens", "decode", "rounds"):
-        if getattr(args, name) < 1:
-            print(f"bench_peer: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
-            return 2
-    if args.check_tokens < 0 or args.check_decode < 0:
-        print("bench_peer: --check-tokens and --check-decode must be >= 0", file=sys.stderr)
         return 2
     try:
         peer_mod = import_peer(args.peer)
@@ -465,6 +465,10 @@ def ds4_mlx_errors():
 
 
 def run(args, peer_mod, log) -> dict:
+    try:
+        text = args.prompt_file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PeerError(f"cannot read the prompt file {args.prompt_file}: {exc}") from None
     t0 = time.perf_counter()
     engine = ds4_mlx.load(args.model, numerics="default")
     t_ours = time.perf_counter() - t0
@@ -474,10 +478,6 @@ def run(args, peer_mod, log) -> dict:
     peer_model = build_peer(peer_mod, engine.network.source, cfg, peer_dtype)
     t_peer = time.perf_counter() - t0
 
-    try:
-        text = args.prompt_file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PeerError(f"cannot read the prompt file {args.prompt_file}: {exc}") from None
     ids = [engine.bos_id] + engine.tokenizer.encode(text)
     if len(ids) < args.prompt_tokens:
         raise PeerError(f"{args.prompt_file} gives {len(ids)} tokens (with BOS), fewer than --prompt-tokens "
@@ -561,14 +561,23 @@ def run(args, peer_mod, log) -> dict:
     decode_tps = {side: 1.0 / med["decode"][side] for side in ("ours", "peer")}
     log(f"logits on the {len(prompt)}-token prompt: max |dlogit| {d_pre:.3g} after the prompt; teacher-forced "
         f"decode steps max {max(d_dec):.3g} (first {d_dec[0]:.3g}), argmax equal at {argmax_agree}/{args.decode} steps")
+    # each round's own ratio too: ours and the peer ran back to back, so a load change between rounds (a
+    # shared machine) cancels in it; their median and range show how far the ratio of medians can be trusted
+    round_ratio = {k: [p / o for o, p in zip(v["ours"], v["peer"])] for k, v in (("prefill", pre), ("decode", dec))}
+
+    def spread(k: str) -> str:
+        r = round_ratio[k]
+        return f"per-round ratios median {statistics.median(r):.2f}x, range {min(r):.2f}-{max(r):.2f}x"
+
     log(f"prefill  ours {prefill_tps['ours']:8.1f} t/s   peer {prefill_tps['peer']:8.1f} t/s   "
-        f"ours/peer {prefill_tps['ours'] / prefill_tps['peer']:.2f}x")
+        f"ours/peer {prefill_tps['ours'] / prefill_tps['peer']:.2f}x   ({spread('prefill')})")
     log(f"decode   ours {decode_tps['ours']:8.2f} t/s   peer {decode_tps['peer']:8.2f} t/s   "
-        f"ours/peer {decode_tps['ours'] / decode_tps['peer']:.2f}x")
+        f"ours/peer {decode_tps['ours'] / decode_tps['peer']:.2f}x   ({spread('decode')})")
     result.update({
         "prefill_tps": prefill_tps, "decode_tps": decode_tps,
         "prefill_ratio": prefill_tps["ours"] / prefill_tps["peer"],
         "decode_ratio": decode_tps["ours"] / decode_tps["peer"],
+        "prefill_ratio_per_round": round_ratio["prefill"], "decode_ratio_per_round": round_ratio["decode"],
         "prefill_seconds": pre, "decode_seconds_per_token": dec,
         "max_abs_dlogit_prefill": d_pre, "max_abs_dlogit_decode": d_dec, "decode_argmax_equal": argmax_agree,
         "load_seconds": {"ours": t_ours, "peer": t_peer},

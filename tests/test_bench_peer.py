@@ -124,6 +124,16 @@ def test_without_a_peer_it_says_how_to_get_one(tiny_model_path, peer_args):
     assert "pull/1192/head" in lines[0] and "git clone https://github.com/ml-explore/mlx-lm" in lines[0]
 
 
+@pytest.mark.parametrize("bad, what", [(["--rounds", "0"], "--rounds must be >= 1"),
+                                        (["--decode", "-3"], "--decode must be >= 1"),
+                                        (["--check-decode", "-1"], "must be >= 0")])
+def test_bad_counts_get_one_line(tiny_model_path, bad, what):
+    r = run_script("--model", str(tiny_model_path), "--peer", "/nonexistent", *bad)
+    assert r.returncode == 2 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bench_peer: ") and what in lines[0], r.stderr
+
+
 def test_the_committed_prompt_gives_993_tokens(tiny_model_path):
     """The issue's figure is on a 993-token prompt: the committed text must hold that many with BOS."""
     from ds4_mlx.tokenizer import Tokenizer
