@@ -15,10 +15,11 @@ The peer's model is built for the GGUF's weights: every tensor is mapped by name
 (``peer_weight_map``; the names the peer's ``sanitize`` produces from the HF checkpoint) and dequantized to
 float32 (Q8_0, F16, IQ2_XXS, Q2_K, F32 as stored; the I32 hash tables as int32). The peer expects float
 weights or MLX-quantized ones (mxfp4/mxfp8/affine, from the HF checkpoint's FP4/FP8 through ``sanitize``);
-GGUF's Q8_0/IQ2_XXS/Q2_K are none of these, so float32 is the one exact choice. It is also what our side
-computes in on the CPU: our DEFAULT numerics hold the dense Q8_0/F16 weights dequantized to float32 and
-dequantize the selected routed experts (IQ2_XXS/Q2_K) to float32 on use. Both sides therefore read the same
-quantized values and compute in float32; ours additionally does what ds4 does and the peer does not (FP8
+GGUF's Q8_0/IQ2_XXS/Q2_K are none of these, so float32 is the one exact choice, and on the CPU the only one
+that runs (MLX 0.32's CPU ``gather_mm``, which the peer's experts use, takes float32 only). It is also what
+our side computes in on the CPU: our DEFAULT numerics hold the dense Q8_0/F16 weights dequantized to float32
+and dequantize the selected routed experts (IQ2_XXS/Q2_K) to float32 on use. Both sides therefore read the
+same quantized values and compute in float32; ours additionally does what ds4 does and the peer does not (FP8
 rounding of KV rows, Hadamard + FP4 rounding in the indexer, the shared-expert clamp; see the logit check).
 
 What is measured (``--rounds`` interleaved rounds after one untimed warm-up round of each side; medians):
@@ -241,7 +242,8 @@ def build_peer(mod, gguf, cfg: ModelConfig, dtype=mx.float32):
         # zero-initialised bias does the same
         bias_only = {k for k in missing if k.endswith(".ffn.gate.e_score_correction_bias")}
         if missing - bias_only:
-            raise PeerError(f"the peer's model has parameters the GGUF does not give: {sorted(missing - bias_only)[:3]}")
+            raise PeerError(f"the peer's model has parameters the GGUF does not give: "
+                            f"{sorted(missing - bias_only)[:3]}")
     model.load_weights(weights, strict=False)
     model.eval()
     mx.eval(model.parameters())
@@ -422,8 +424,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check-tokens", type=int, default=24,
                     help="prompt length of the short logit check (default 24; 0 skips it)")
     ap.add_argument("--check-decode", type=int, default=8, help="decode steps of the short logit check")
-    ap.add_argument("--peer-dtype", choices=("float32", "bfloat16"), default="float32",
-                    help="what the peer's weights and activations are held in (default float32, as ours)")
     ap.add_argument("--json", action="store_true", help="print one JSON object (nothing else on stdout)")
     args = ap.parse_args(argv)
 
@@ -474,8 +474,7 @@ def run(args, peer_mod, log) -> dict:
     t_ours = time.perf_counter() - t0
     cfg = engine.config
     t0 = time.perf_counter()
-    peer_dtype = getattr(mx, args.peer_dtype)
-    peer_model = build_peer(peer_mod, engine.network.source, cfg, peer_dtype)
+    peer_model = build_peer(peer_mod, engine.network.source, cfg, mx.float32)
     t_peer = time.perf_counter() - t0
 
     ids = [engine.bos_id] + engine.tokenizer.encode(text)
@@ -485,14 +484,15 @@ def run(args, peer_mod, log) -> dict:
     prompt = ids[:args.prompt_tokens]
     ours = OursRunner(engine, ctx=len(prompt) + args.decode + 8)
     peer = PeerRunner(peer_model)
-    log(f"model {args.model}: {cfg.n_layer} layers, n_embd {cfg.n_embd}, {cfg.n_expert} experts (k={cfg.n_expert_used}),"
+    log(f"model {args.model}: {cfg.n_layer} layers, n_embd {cfg.n_embd}, {cfg.n_expert} experts "
+        f"(k={cfg.n_expert_used}),"
         f" window {cfg.n_swa}, indexer top-k {cfg.indexer_top_k}")
-    log(f"peer {args.peer} (mlx-lm PR #1192), weights dequantized to {args.peer_dtype}; "
+    log(f"peer {args.peer} (mlx-lm PR #1192), weights dequantized to float32; "
         f"ours: DEFAULT numerics, compiled decode; MLX {mx.__version__}, device {mx.default_device()}")
     log(f"load: ours {t_ours:.2f} s, peer {t_peer:.2f} s (dequantize + build)")
 
     result: dict = {
-        "model": str(args.model), "peer": str(args.peer), "peer_dtype": args.peer_dtype,
+        "model": str(args.model), "peer": str(args.peer), "peer_dtype": "float32",
         "mlx": mx.__version__, "device": str(mx.default_device()), "prompt_tokens": len(prompt),
         "decode_tokens": args.decode, "rounds": args.rounds,
     }
@@ -535,7 +535,8 @@ def run(args, peer_mod, log) -> dict:
     dec = {"ours": [], "peer": []}
     d_pre, d_dec = 0.0, [0.0] * args.decode
     argmax_agree = 0
-    log(f"{args.rounds} rounds, interleaved: prefill {len(prompt)} tokens, then {args.decode} teacher-forced decode steps")
+    log(f"{args.rounds} rounds, interleaved: prefill {len(prompt)} tokens, then {args.decode} teacher-forced "
+        f"decode steps")
     for r in range(args.rounds):
         t0 = time.perf_counter()
         s, lo = ours.prefill(prompt)
