@@ -234,9 +234,17 @@ def import_peer(root: str | os.PathLike):
 def build_peer(mod, gguf, cfg: ModelConfig, dtype=mx.float32):
     args = mod.ModelArgs.from_dict(peer_args(cfg))
     model = mod.Model(args)
-    # strict: every parameter of the peer's model is given exactly once (nothing left at its init values)
+    # strict both ways: every parameter of the peer's model is given (nothing left at its init values) and
+    # every weight given lands on a parameter of the same shape (another revision of the port could rename one)
     weights = peer_weights(gguf, cfg, dtype)
-    missing = {k for k, _ in _flat(model.parameters())} - {k for k, _ in weights}
+    params = dict(_flat(model.parameters()))
+    for name, w in weights:
+        if name not in params:
+            raise PeerError(f"the peer's model has no parameter {name!r} (not the PR #1192 port's names?)")
+        if tuple(params[name].shape) != tuple(w.shape):
+            raise PeerError(f"the peer's {name} has shape {tuple(params[name].shape)}, the GGUF gives "
+                            f"{tuple(w.shape)}")
+    missing = set(params) - {k for k, _ in weights}
     if missing:
         # a non-hash layer without the optional router bias: ds4 selects on the plain scores, the peer's
         # zero-initialised bias does the same
