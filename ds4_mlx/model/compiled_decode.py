@@ -33,8 +33,9 @@ rest of a real-dims layer's decode step (~0.4 %), so one trace per layer beats a
 variant of every function.
 
 Numerics. The arithmetic is the chunk path's DEFAULT arithmetic for a one-token chunk (the same
-code), except that fixed shapes pad the raw window (before it fills) and the compressed rows with masked
-keys; the masked keys weigh exactly 0, but BLAS rounds a product's dot products differently
+module code; only the cache's layout-dependent parts and the key selection take their fixed-shape
+form), except that fixed shapes pad the raw window (before it fills) and the compressed rows with
+masked keys; the masked keys weigh exactly 0, but BLAS rounds a product's dot products differently
 depending on the product's other dimension, so the scores and the weighted sums can differ in the
 last bits. MLX's fused kernels compute the same per-element operations as the eager ones (the
 compiled and the eager fixed-shape step are bit-identical). So the logits equal the uncompiled
@@ -42,8 +43,8 @@ decode's up to rounding noise (``tests/test_compiled_decode.py`` measures it), a
 shapes depend only on the position, two sessions decoding the same tokens from the same state
 agree bit for bit.
 
-Metal: the expert kernels (``metal_kernels``) take the expert ids as array inputs, so there the
-routed experts could move into the traced functions as well; that is not done (nor measured) here.
+Metal: the expert kernels (``metal_kernels``) take the expert ids as array inputs; a MoE strategy
+that routes on the device sets ``routes_on_device`` and its layers compile whole (see above).
 """
 
 from __future__ import annotations
