@@ -362,6 +362,14 @@ class LayerCache:
             ring = mx.slice_update(ring, rows[head:], mx.array([0]), axes=(0,))
         return ring
 
+    @classmethod
+    def from_state(cls, cfg: ModelConfig, il: int, n: int, arrays: list[mx.array], capacity: int) -> "LayerCache":
+        """Layer ``il``'s cache after ``n`` tokens from its canonical arrays (``state``; shapes
+        checked by ``ModelCache.from_state``), with row buffers of ``capacity`` tokens."""
+        lc = cls.empty(cfg, il, capacity)
+        lc.set_state(n, arrays, capacity)
+        return lc
+
     def set_state(self, n: int, arrays: list[mx.array], capacity: int) -> None:
         """Rebuild the buffers from canonical arrays after ``n`` tokens (exact copies)."""
         raw, rest = arrays[0], arrays[1:]
@@ -467,14 +475,13 @@ class ModelCache:
         for spec, a in zip(layout, arrays):
             if tuple(a.shape) != spec.shape:
                 raise InferenceError(f"model state: {spec.key!r} has shape {tuple(a.shape)}, expected {spec.shape}")
-        cache = cls.empty(cfg)
         cap = capacity_for(max(n_tokens - 1, 0))
-        cache.capacity = cap
-        i = 0
-        for lc in cache.layers:
-            k = 1 + 3 * len(lc.lanes)
-            lc.set_state(n_tokens, arrays[i: i + k], cap)
+        layers, i = [], 0
+        for il in range(cfg.n_layer):
+            k = sum(1 for spec in layout if spec.layer == il)
+            layers.append(LayerCache.from_state(cfg, il, n_tokens, arrays[i: i + k], cap))
             i += k
+        cache = cls(layers, cap)
         mx.eval(*cache.arrays())
         return cache
 
