@@ -137,7 +137,14 @@ def test_chunk_boundaries_are_absolute(model_default, tokens, monkeypatch):
         calls.append((state.n_tokens, len(toks), want_logits))
         return orig(toks, state, want_logits)
 
+    orig_step = model_default.step
+
+    def spy_step(token, cache):  # a compiled decode step: one token, logits
+        calls.append((cache.n_tokens, 1, True))
+        return orig_step(token, cache)
+
     monkeypatch.setattr(model_default, "forward_chunk", spy)
+    monkeypatch.setattr(model_default, "step", spy_step)
     s = model_default.new_session(ctx=4096, chunk=64)
     s.prefill(tokens[:10])
     s.prefill(tokens[10:150])
