@@ -28,7 +28,9 @@ MIN_CAPACITY) times over a whole context.
 
 Arrays are never modified in place: every update builds new arrays and rebinds the cache's
 attributes (MLX may reuse a buffer no one else holds). So ``copy()`` is a cheap snapshot that later
-steps of the original cannot change.
+steps of the original cannot change. A snapshot keeps its buffers alive: rows for ``capacity``
+tokens (at least MIN_CAPACITY), not only the valid ones; the first update after a snapshot copies
+the buffer it writes (the snapshot still holds the old one).
 
 A module call sees *where* it runs through the ``at`` attribute bound for the call: ``ChunkAt``
 (host-known positions p0..p0+L-1, exact shapes: prefill chunks, ds4-cpu and uncompiled decode) or
