@@ -135,7 +135,8 @@ def test_compiled_decode_compiles_block_methods_not_a_copy():
 
 def test_block_call_is_its_parts():
     """``Block.__call__`` is ``attention_part`` then ``ffn_part`` (what the compiled step wraps)."""
-    block = next(n for n in ast.walk(_tree("model/transformer.py")) if isinstance(n, ast.ClassDef) and n.name == "Block")
+    block = next(n for n in ast.walk(_tree("model/transformer.py"))
+                 if isinstance(n, ast.ClassDef) and n.name == "Block")
     call = next(n for n in block.body if isinstance(n, ast.FunctionDef) and n.name == "__call__")
     used = {n.attr for n in ast.walk(call) if isinstance(n, ast.Attribute)
             and isinstance(n.value, ast.Name) and n.value.id == "self"}

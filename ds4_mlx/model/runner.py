@@ -11,8 +11,8 @@ builds sampling, snapshots and the KV store on top of this (``engine/session.py`
 The runner holds one ``ModelCache`` (``state``). Decode: in DEFAULT numerics a one-token feed
 (``eval``, or ``prefill`` of one token, which is how the engine decodes) runs the compiled decode
 step (``compiled_decode``) on that same cache, updated in place; prefill chunks replace it with the
-cache after the chunk. ``compile=False`` (or the environment variable ``DS4_MLX_COMPILE=0``) keeps every feed on the chunk
-path. ds4-cpu numerics never compile (``compiled`` is then False whatever was asked).
+cache after the chunk. ``compile=False`` (or the environment variable ``DS4_MLX_COMPILE=0``) keeps
+every feed on the chunk path. ds4-cpu numerics never compile (``compiled`` is then False whatever was asked).
 """
 
 from __future__ import annotations
