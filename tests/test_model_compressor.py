@@ -249,3 +249,5 @@ def test_model_cache_copy_is_an_independent_snapshot():
     np.testing.assert_array_equal(raw[:2], before[sum(len(l.state) for l in snap.layers[:2])][-2:])
     np.testing.assert_array_equal(raw[2:], np.full((6, 256), 2.0, np.float32))
     assert cache.nbytes > snap.nbytes
+    for c in (cache, snap):  # the serialised size: the canonical arrays, whatever the capacity
+        assert c.state_nbytes == sum(a.nbytes for a in c.state) < c.nbytes

@@ -83,7 +83,8 @@ class Snapshot:
         return len(self.tokens)
 
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.state.arrays()) + (0 if self.logits is None else self.logits.nbytes)
+        """Bytes of the state as serialised (canonical arrays) plus the logits."""
+        return self.state.state_nbytes + (0 if self.logits is None else self.logits.nbytes)
 
 
 @dataclass(frozen=True)

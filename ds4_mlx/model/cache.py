@@ -451,6 +451,16 @@ class ModelCache:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays())
 
+    @property
+    def state_nbytes(self) -> int:
+        """Bytes of the canonical state (what a payload stores, what ds4's snapshot holds): raw
+        window, valid rows and frontiers; ``nbytes`` counts the buffers as allocated."""
+        n, total = self.n_tokens, 0
+        for lc in self.layers:
+            total += min(n, lc.n_swa) * lc.ring.shape[1] * 4
+            total += sum((n // lane.ratio * lane.dim + lane.kst.size + lane.gst.size) * 4 for lane in lc.lanes)
+        return total
+
     # -- canonical state ------------------------------------------------------------------------------
 
     @property
