@@ -1,4 +1,4 @@
-"""The compiled decode step (``compiled_decode`` over a fixed-shape ``DecodeCache``) on the oracle's
+"""The compiled decode step (``compiled_decode`` over the fixed-shape buffers of a ``ModelCache``) on the oracle's
 tiny model (ratios 0,0,4,128,4,128; SWA 32; indexer top-k 16).
 
 What is checked, and against what:
@@ -29,10 +29,10 @@ import numpy as np
 import pytest
 
 import ds4_mlx
-from ds4_mlx.model import decode_cache
-from ds4_mlx.model.decode_cache import DecodeCache, capacity_for
+from ds4_mlx.errors import InferenceError
+from ds4_mlx.model import cache as model_cache
+from ds4_mlx.model.cache import ModelCache, capacity_for
 from ds4_mlx.model.numerics import EMPTY_SCORE
-from ds4_mlx.model.state import InferenceError, ModelState
 
 N_LONG = 300  # decode steps of the teacher-forced comparison (positions 1..300)
 
@@ -88,7 +88,7 @@ def bits(x) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(x, dtype=np.float32)).view(np.uint32)
 
 
-def assert_states_bit_equal(s1: ModelState, s2: ModelState) -> None:
+def assert_states_bit_equal(s1: ModelCache, s2: ModelCache) -> None:
     d1, d2 = s1.to_numpy(), s2.to_numpy()
     assert d1.keys() == d2.keys()
     for k in d1:
@@ -118,7 +118,7 @@ def test_no_retrace_per_token(model, long_run):
     traces = long_run["traces"]
     retraced = [i for i, t in enumerate(traces) if t != traces[0]]
     assert not retraced, f"retraced at steps {retraced}"
-    assert long_run["b"]._cache is not None and long_run["b"]._cache.capacity == capacity_for(0)
+    assert long_run["b"].state.capacity == capacity_for(0)
 
 
 @needs_compile
@@ -126,7 +126,7 @@ def test_first_step_traces_every_function(model, tokens):
     from ds4_mlx.model.compiled_decode import CompiledDecoder
 
     dec = CompiledDecoder(model)  # a fresh decoder: nothing traced yet
-    cache = DecodeCache.from_state(model.config, ModelState.empty(model.config))
+    cache = ModelCache.empty(model.config)
     assert dec.traces == 0
     mx.eval(dec.step(tokens[0], cache))
     assert dec.traces == model.config.n_layer + 1
@@ -140,10 +140,10 @@ def test_buffer_growth_retraces_once_per_capacity(model, tokens, monkeypatch):
     with compressed rows (one more trace each); dense layers and the head keep theirs."""
     from ds4_mlx.model.compiled_decode import CompiledDecoder
 
-    monkeypatch.setattr(decode_cache, "MIN_CAPACITY", 128)
+    monkeypatch.setattr(model_cache, "MIN_CAPACITY", 128)
     s = model.new_session(ctx=4096, compile=False)
     s.prefill(tokens[:120])
-    cache = DecodeCache.from_state(model.config, s.state)
+    cache = s.state.copy()
     assert cache.capacity == 128
     dec = CompiledDecoder(model)
     n_fns = model.config.n_layer + 1
@@ -166,8 +166,7 @@ def test_buffer_growth_retraces_once_per_capacity(model, tokens, monkeypatch):
 def test_compiled_bit_identical_to_eager_fixed_shape_step(model, tokens):
     s = model.new_session(ctx=4096, compile=False)
     s.prefill(tokens[:110])
-    ca = DecodeCache.from_state(model.config, s.state)
-    cb = DecodeCache.from_state(model.config, s.state)
+    ca, cb = s.state.copy(), s.state.copy()
     eager, compiled = model.decoder(compile=False), model.decoder(compile=True)
     for t in tokens[110:130]:  # ratio-4 emissions at 111, 115, …; ratio 128 at 127; indexer live
         la, lb = eager.step(t, ca), compiled.step(t, cb)
@@ -182,7 +181,7 @@ def test_one_step_matches_chunk_path(model, tokens):
     done = 0
     for p in (0, 1, 30, 31, 66, 67, 126, 127, 128, 131, 255, 300):
         s.prefill(tokens[done:p])
-        cache = DecodeCache.from_state(model.config, s.state)
+        cache = s.state.copy()
         got = np.array(model.decoder().step(tokens[p], cache))
         s.eval(tokens[p])
         done = p + 1
@@ -190,7 +189,7 @@ def test_one_step_matches_chunk_path(model, tokens):
         assert np.abs(got - ref).max() <= 2e-3, f"p={p}: max |dlogit| {np.abs(got - ref).max():.3g}"
         # the new state has the chunk path's structure: the same shapes and empty frontier slots
         # (the values differ in the last bits, which FP8 can turn into one quantum)
-        mine, theirs = cache.to_state(model.config).to_numpy(), s.state.to_numpy()
+        mine, theirs = cache.to_numpy(), s.state.to_numpy()
         assert mine.keys() == theirs.keys()
         for k in mine:
             assert mine[k].shape == theirs[k].shape, (p, k)
@@ -209,26 +208,30 @@ def test_state_cache_round_trip_exact(model, tokens, n):
     if n:
         s.prefill(tokens[:n])
     st = s.state
-    cache = DecodeCache.from_state(model.config, st)
-    assert cache.n_tokens == n and cache.capacity == capacity_for(n)
-    assert_states_bit_equal(cache.to_state(model.config), st)
-    big = cache.grown(2 * cache.capacity)
-    assert_states_bit_equal(big.to_state(model.config), st)
+    assert st.capacity == capacity_for(max(n - 1, 0))  # a function of the position only
+    cache = ModelCache.from_state(model.config, n, st.state)
+    assert cache.n_tokens == n and cache.capacity == st.capacity
+    assert_states_bit_equal(cache, st)
+    big = cache.copy()
+    big.reserve(2 * cache.capacity - 1)
+    assert big.capacity == 2 * cache.capacity
+    assert_states_bit_equal(big, st)
+    assert_states_bit_equal(ModelCache.from_numpy(model.config, st.to_numpy()), st)
 
 
 def test_cache_state_cache_continues_bit_identically(model, tokens):
-    """Decode, convert to a ModelState and back, keep decoding: the same bits as the cache that
-    was never converted (the provisional row slot and stale ring slots are never read)."""
+    """Decode, rebuild the cache from its canonical state, keep decoding: the same bits as the cache
+    that was never rebuilt (the provisional row slot and stale ring slots are never read)."""
     s = model.new_session(ctx=4096, compile=False)
     s.prefill(tokens[:60])
-    c1 = DecodeCache.from_state(model.config, s.state)
+    c1 = s.state.copy()
     dec = model.decoder()
     for t in tokens[60:70]:
         dec.step(t, c1)
-    c2 = DecodeCache.from_state(model.config, c1.to_state(model.config))
+    c2 = ModelCache.from_state(model.config, c1.n_tokens, c1.state)
     for t in tokens[70:80]:
         assert np.array_equal(bits(dec.step(t, c1)), bits(dec.step(t, c2)))
-    assert_states_bit_equal(c1.to_state(model.config), c2.to_state(model.config))
+    assert_states_bit_equal(c1, c2)
 
 
 # -- the session ----------------------------------------------------------------------------------
@@ -248,7 +251,7 @@ def test_snapshot_restore_mid_decode(model, tokens):
         s.eval(t)
         want.append(s.logits())
     # the snapshot was not touched by the steps after it (the cache is updated in place)
-    assert_states_bit_equal(snap[0], ModelState.from_numpy(model.config, saved))
+    assert_states_bit_equal(snap[0], ModelCache.from_numpy(model.config, saved))
     other = model.new_session(ctx=2048)  # another context size: the same shapes, the same bits
     other.prefill(tokens[300:310])
     other.restore(snap)
@@ -256,20 +259,26 @@ def test_snapshot_restore_mid_decode(model, tokens):
         other.eval(t)
         assert np.array_equal(bits(other.logits()), bits(w))
     assert_states_bit_equal(other.state, s.state)
-    # a multi-token prefill after decoding starts from the converted state
+    # a multi-token prefill after decoding continues from the decoded cache: as from its snapshot
     s.prefill(tokens[75:90])
-    assert s.n_tokens == 90 and s._cache is None
+    other.prefill(tokens[75:90])
+    assert s.n_tokens == 90 and np.array_equal(bits(s.logits()), bits(other.logits()))
 
 
 def test_opt_out_and_ds4_cpu_stay_on_the_chunk_path(model, tiny_model_path, tokens, monkeypatch):
     seen = []
-    orig = model.forward_chunk
+    orig_chunk, orig_step = model.forward_chunk, model.step
 
-    def spy(toks, state, want_logits=True):
-        seen.append(type(state).__name__)
-        return orig(toks, state, want_logits)
+    def spy_chunk(toks, state, want_logits=True):
+        seen.append("chunk")
+        return orig_chunk(toks, state, want_logits)
 
-    monkeypatch.setattr(model, "forward_chunk", spy)
+    def spy_step(token, cache):
+        seen.append("step")
+        return orig_step(token, cache)
+
+    monkeypatch.setattr(model, "forward_chunk", spy_chunk)
+    monkeypatch.setattr(model, "step", spy_step)
     a = model.new_session(ctx=64, compile=False)
     a.prefill(tokens[:3])
     a.eval(tokens[3])
@@ -281,12 +290,33 @@ def test_opt_out_and_ds4_cpu_stay_on_the_chunk_path(model, tiny_model_path, toke
     c.prefill(tokens[:3])
     c.eval(tokens[3])
     assert not a.compiled and b.compiled and not c.compiled
-    assert seen == ["ModelState", "ModelState", "ModelState", "DecodeCache", "ModelState", "ModelState"]
+    assert seen == ["chunk", "chunk", "chunk", "step", "chunk", "chunk"]
     assert np.array_equal(bits(a.logits()), bits(c.logits()))
     m4 = ds4_mlx.load(tiny_model_path, numerics="ds4-cpu").network
     assert not m4.new_session(ctx=64, compile=True).compiled
     with pytest.raises(InferenceError, match="DEFAULT"):
         m4.decoder()
+
+
+def test_device_routed_moe_compiles_whole_layers(model, tokens, monkeypatch):
+    """A MoE that routes on the device (``routes_on_device``) gets one function per layer, the whole
+    ``Block.__call__`` with no host break; run eagerly here (today's MoE routes on the host, which a
+    trace cannot), it gives the host-routed step's bits."""
+    from ds4_mlx.model.compiled_decode import CompiledDecoder
+
+    s = model.new_session(ctx=4096, compile=False)
+    s.prefill(tokens[:70])
+    host = CompiledDecoder(model, compile=False)
+    for block in model.blocks:
+        monkeypatch.setattr(block.ffn, "routes_on_device", True, raising=False)
+    whole = CompiledDecoder(model, compile=False)
+    assert whole._device_routed == [True] * model.config.n_layer
+    ca, cb = s.state.copy(), s.state.copy()
+    for t in tokens[70:74]:
+        la, lb = host.step(t, ca), whole.step(t, cb)
+        assert np.array_equal(bits(la), bits(lb))
+    assert whole.traces == 4 * (model.config.n_layer + 1)
+    assert_states_bit_equal(ca, cb)
 
 
 # -- the fixed-shape indexer selection ----------------------------------------------------------------

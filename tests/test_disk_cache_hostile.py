@@ -13,7 +13,7 @@ from ds4_mlx.engine import kvstore
 from ds4_mlx.engine.disk_cache import DiskCache
 from ds4_mlx.engine.engine import Engine
 from ds4_mlx.engine.kvstore_policy import KVStoreOptions
-from ds4_mlx.model.state import ModelState
+from ds4_mlx.model.cache import ModelCache
 
 CTX = 512
 CHUNK = 32
@@ -86,7 +86,7 @@ def test_non_finite_state_is_never_stored(engine, tmp_path, monkeypatch):
     s = engine.new_session(ctx=CTX, chunk=CHUNK)
     s.sync(engine.encode_prompt("a short question about the weather in Milan", ctx=CTX))
     dc = cache(engine, tmp_path)
-    real = ModelState.to_numpy
+    real = ModelCache.to_numpy
 
     def poisoned(self):
         d = real(self)
@@ -94,7 +94,7 @@ def test_non_finite_state_is_never_stored(engine, tmp_path, monkeypatch):
         d["layer.1.raw"][0, 3] = np.nan
         return d
 
-    monkeypatch.setattr(ModelState, "to_numpy", poisoned)
+    monkeypatch.setattr(ModelCache, "to_numpy", poisoned)
     res = dc.save(s, "shutdown")
     assert res.status == "skipped" and "layer.1.raw holds a non-finite value" in res.detail
     assert not list(tmp_path.glob("*.kv"))

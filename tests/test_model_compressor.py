@@ -1,5 +1,6 @@
 """The chunked compressor against a token-by-token reference written from spec §6.3, and the
-canonical frontier state it must leave behind; plus ModelState serialisation."""
+canonical frontier state it must leave behind, as prefill chunks and as fixed-shape decode steps;
+plus ModelCache serialisation."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from ds4_mlx.model.linear import DenseWeight
 from ds4_mlx.model.ops import DEFAULT_OPS, Numerics, ops_for
 from ds4_mlx.model.numerics import EMPTY_SCORE, f16_round, fp8_kv_round, indexer_qat
 from ds4_mlx.model.rope import Rope, apply_rope
-from ds4_mlx.model.state import CompressorState, InferenceError, ModelState
+from ds4_mlx.errors import InferenceError
+from ds4_mlx.model.cache import ChunkAt, CompressorLane, ModelCache, StepAt, capacity_for, state_layout
 
 N_EMBD = 48
 
@@ -88,16 +90,37 @@ def _canonical(kst: np.ndarray, gst: np.ndarray, n: int, R: int) -> tuple[np.nda
     return kst, gst
 
 
-def _run_chunks(comp: Compressor, xs: np.ndarray, cuts: list[int], mode: Numerics) -> CompressorState:
-    st = CompressorState.empty(comp.ratio, comp.dim, comp.coff)
+class _Lane:
+    """A lane's canonical state: rows (valid ones only), kst, gst."""
+
+    def __init__(self, rows, kst, gst):
+        self.rows, self.kst, self.gst = rows, kst, gst
+
+
+def _run_chunks(comp: Compressor, xs: np.ndarray, cuts: list[int], mode: Numerics) -> _Lane:
+    n = xs.shape[0]
+    lane = CompressorLane.empty(comp.ratio, comp.dim, comp.coff, capacity_for(n))
     comp = copy.copy(comp)
     comp.ops = ops_for(mode)  # the same weights in the other numerics
     p = 0
-    for c in cuts + [xs.shape[0]]:
+    for c in cuts + [n]:
         if c > p:
-            _, st = comp(mx.array(xs[p:c]), p, st)
+            lane.at = ChunkAt(p, c - p, comp.ops)
+            comp(mx.array(xs[p:c]), lane)
             p = c
-    return st
+    return _Lane(*lane.state(n))
+
+
+def _run_steps(comp: Compressor, xs: np.ndarray) -> _Lane:
+    """Token by token through the fixed-shape step (what the compiled decode runs), uncompiled."""
+    n, R = xs.shape[0], comp.ratio
+    lane = CompressorLane.empty(R, comp.dim, comp.coff, capacity_for(n))
+    for p in range(n):
+        c, s = comp.rope.tables(np.array([p - p % R]))
+        lane.at = StepAt(mx.array(p, dtype=mx.int32), None, None, c, s)
+        comp(mx.array(xs[p:p + 1]), lane)
+    assert lane.rows.shape[0] == capacity_for(n) // R  # fixed shapes: the buffer never changes size
+    return _Lane(*lane.state(n))
 
 
 @pytest.mark.parametrize("ratio,dim", [(4, 256), (4, 128), (128, 256)])
@@ -150,30 +173,81 @@ def test_ratio4_first_window_has_no_previous_half():
     assert not np.array_equal(np.array(st.rows)[1], np.array(st2.rows)[1])
 
 
-def test_model_state_numpy_roundtrip_and_checks():
+@pytest.mark.parametrize("ratio,dim", [(4, 256), (4, 128), (128, 256)])
+def test_compressor_steps_match_streaming_reference(ratio, dim):
+    """The decode step's path through the same ``Compressor.__call__``: open-window rows written
+    every step, the frontier left canonical."""
+    comp = _make(ratio, dim, seed=ratio + dim)
+    n = ratio + ratio // 2 + 1 if ratio == 128 else 23
+    xs = np.random.default_rng(5).standard_normal((n, N_EMBD)).astype(np.float32)
+    ref_rows, ref_k, ref_g = _reference_stream(comp, xs)
+    st = _run_steps(comp, xs)
+    rows = np.array(st.rows)
+    assert rows.shape == (n // ratio, dim)
+    close = np.isclose(rows, np.stack(ref_rows), rtol=1e-5, atol=1e-6)
+    assert close.mean() > 0.995, f"{np.count_nonzero(~close)} elements differ"
+    kc, gc = _canonical(ref_k, ref_g, n, ratio)
+    np.testing.assert_allclose(np.array(st.kst), kc, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.array(st.gst), gc, rtol=1e-6, atol=1e-5)
+
+
+def _random_state(cfg: ModelConfig, n: int, seed: int) -> list[mx.array]:
+    rng = np.random.default_rng(seed)
+    return [mx.array(rng.standard_normal(spec.shape).astype(np.float32)) for spec in state_layout(cfg, n)]
+
+
+@pytest.mark.parametrize("n", [0, 3, 10, 4095, 4096, 4097])
+def test_model_cache_state_roundtrip_and_checks(n):
     cfg = _cfg()
-    st = ModelState.empty(cfg)
-    comp = _make(4, 256, seed=11)
-    xs = np.random.default_rng(4).standard_normal((10, N_EMBD)).astype(np.float32)
-    _, cs = comp(mx.array(xs), 0, st.layers[2].attn)
-    st.layers[2].attn = cs
-    st.layers[0].raw = mx.array(np.ones((8, 256), np.float32))
-    st.n_tokens = 10
-    for lay in st.layers:
-        if lay.raw.shape[0] == 0:
-            lay.raw = mx.zeros((8, 256))
-    st.layers[2].index = CompressorState(mx.zeros((2, 128)), st.layers[2].index.kst, st.layers[2].index.gst)
-    d = st.to_numpy()
-    back = ModelState.from_numpy(cfg, d)
+    arrays = _random_state(cfg, n, seed=n)
+    cache = ModelCache.from_state(cfg, n, arrays)
+    assert cache.n_tokens == n and cache.capacity == capacity_for(max(n - 1, 0))
+    for a, b in zip(cache.state, arrays):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+    d = cache.to_numpy()
+    back = ModelCache.from_numpy(cfg, d)
     d2 = back.to_numpy()
     assert d.keys() == d2.keys()
     for k in d:
         np.testing.assert_array_equal(d[k], d2[k])
+    if n < 10:
+        return
     bad = dict(d)
     bad["layer.2.attn.rows"] = bad["layer.2.attn.rows"][:1]
     with pytest.raises(InferenceError, match="layer.2.attn.rows"):
-        ModelState.from_numpy(cfg, bad)
+        ModelCache.from_numpy(cfg, bad)
     missing = dict(d)
     del missing["layer.3.attn.kst"]
     with pytest.raises(InferenceError, match="missing"):
-        ModelState.from_numpy(cfg, missing)
+        ModelCache.from_numpy(cfg, missing)
+    with pytest.raises(InferenceError, match="n_tokens is -1"):
+        ModelCache.from_numpy(cfg, {**d, "n_tokens": np.array(-1)})
+    with pytest.raises(InferenceError, match="arrays, expected"):
+        ModelCache.from_state(cfg, n, arrays[:-1])
+
+
+def test_model_cache_copy_is_an_independent_snapshot():
+    """Updating a cache (every update rebinds its arrays) never changes a copy taken before; growth
+    pads the row buffers without changing the canonical state."""
+    cfg = _cfg()
+    cache = ModelCache.from_state(cfg, 10, _random_state(cfg, 10, seed=1))
+    snap = cache.copy()
+    before = [np.array(a) for a in snap.state]
+    comp = _make(4, 256, seed=11)
+    lc = cache.layers[2]
+    lc.bind(ChunkAt(10, 6, DEFAULT_OPS))
+    comp(mx.array(np.ones((6, N_EMBD), np.float32)), lc.attn)
+    lc.update_raw(mx.array(np.full((6, 256), 2.0, np.float32)))
+    cache.advance(16)
+    cache.reserve(2 * cache.capacity - 1)  # the last position the call writes
+    assert cache.capacity == 2 * snap.capacity and cache.layers[2].attn.rows.shape[0] == 2 * 4096 // 4
+    assert snap.n_tokens == 10 and cache.n_tokens == 16
+    for a, b in zip(snap.state, before):
+        np.testing.assert_array_equal(np.array(a), b)
+    # the raw window keeps the last n_swa = 8 rows, oldest first: positions 8, 9 then the six new ones
+    raw = np.array(cache.layers[2].state[0])
+    np.testing.assert_array_equal(raw[:2], before[sum(len(l.state) for l in snap.layers[:2])][-2:])
+    np.testing.assert_array_equal(raw[2:], np.full((6, 256), 2.0, np.float32))
+    assert cache.nbytes > snap.nbytes
+    for c in (cache, snap):  # the serialised size: the canonical arrays, whatever the capacity
+        assert c.state_nbytes == sum(a.nbytes for a in c.state) < c.nbytes

@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 
 from ds4_mlx.errors import Ds4Error
-from ds4_mlx.model.state import InferenceError, ModelState
+from ds4_mlx.errors import InferenceError
+from ds4_mlx.model.cache import ModelCache
 
 DEFAULT_RMS, DEFAULT_MAX = 0.05, 0.25
 N_DS4 = 200  # ds4-cpu checks: window sliding (32), indexer selection (from p=67), a ratio-128 row (p=127)
@@ -113,18 +114,19 @@ def test_resume_from_serialized_state(model_default, tokens):
     saved = a.state.to_numpy()
     a.prefill(tokens[301:420])
     b = model_default.new_session(ctx=4096)
-    b.state = ModelState.from_numpy(model_default.config, saved)
+    b.state = ModelCache.from_numpy(model_default.config, saved)
     b.prefill(tokens[301:420])
     np.testing.assert_array_equal(a.logits(), b.logits())
     # state sizes follow spec §9.2
     cfg = model_default.config
     for il, lay in enumerate(b.state.layers):
         r = cfg.compress_ratio(il)
-        assert lay.raw.shape == (cfg.n_swa, cfg.head_dim)
+        st = lay.state  # canonical: raw, then each lane's rows / kst / gst
+        assert st[0].shape == (cfg.n_swa, cfg.head_dim)
         if r:
-            assert lay.attn.rows.shape == (420 // r, cfg.head_dim)
+            assert st[1].shape == (420 // r, cfg.head_dim)
         if r == 4:
-            assert lay.index.rows.shape == (420 // 4, cfg.indexer_head_dim)
+            assert st[4].shape == (420 // 4, cfg.indexer_head_dim)
 
 
 def test_chunk_boundaries_are_absolute(model_default, tokens, monkeypatch):
@@ -135,7 +137,14 @@ def test_chunk_boundaries_are_absolute(model_default, tokens, monkeypatch):
         calls.append((state.n_tokens, len(toks), want_logits))
         return orig(toks, state, want_logits)
 
+    orig_step = model_default.step
+
+    def spy_step(token, cache):  # a compiled decode step: one token, logits
+        calls.append((cache.n_tokens, 1, True))
+        return orig_step(token, cache)
+
     monkeypatch.setattr(model_default, "forward_chunk", spy)
+    monkeypatch.setattr(model_default, "step", spy_step)
     s = model_default.new_session(ctx=4096, chunk=64)
     s.prefill(tokens[:10])
     s.prefill(tokens[10:150])

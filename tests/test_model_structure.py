@@ -1,6 +1,8 @@
 """Structure of the forward pass (issue 13): the numerics mode is bound once (``model/ops.py``) and the
 architecture code never branches on it nor takes it as a parameter; no import cycle hides behind a
-function-level import; ``ModelConfig.coff`` is the only place that derives the compressor width."""
+function-level import; ``ModelConfig.coff`` is the only place that derives the compressor width; one
+forward path: every module has one ``__call__`` over per-layer cache objects for chunks and decode
+steps, and the compiled decode step compiles ``Block``'s own methods instead of re-assembling one."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1] / "ds4_mlx"
 # The architecture: written once against an ``Ops`` object. The weights offer both arithmetics as
 # methods (``w(x)`` / ``w.ds4_cpu(x)``) and the ``Ops`` object picks one, so they take no mode either.
 ARCHITECTURE = ["attention.py", "compressor.py", "indexer.py", "hyper_connection.py", "moe.py", "transformer.py",
-                "compiled_decode.py", "runner.py", "state.py", "decode_cache.py", "rope.py", "numerics.py",
+                "compiled_decode.py", "runner.py", "cache.py", "rope.py", "numerics.py",
                 "linear.py", "experts.py"]
 
 
@@ -89,10 +91,53 @@ def test_coff_is_derived_in_one_place():
 def test_state_layout_is_described_once():
     """The payload walks the model's ``state_layout`` instead of restating the shapes per lane."""
     from ds4_mlx.engine import payload
-    from ds4_mlx.model import state
+    from ds4_mlx.model import cache
 
     fn = next(n for n in ast.walk(_tree("engine/payload.py"))
               if isinstance(n, ast.FunctionDef) and n.name == "expected_arrays")
     used = {n.attr for n in ast.walk(fn) if isinstance(n, ast.Attribute)}
     assert not used & {"compress_ratio", "head_dim", "indexer_head_dim", "n_swa"}, used
-    assert payload.ArraySpec is state.StateArray
+    assert payload.ArraySpec is cache.StateArray
+
+
+# -- one forward path ----------------------------------------------------------------------------------
+
+
+def test_one_call_per_module_no_decode_step():
+    """Chunks and decode steps run the same ``__call__``: no second entry point per module, and the
+    state has one representation (``model/cache.py``), not a chunk state plus a decode cache."""
+    assert not (ROOT / "model" / "state.py").exists() and not (ROOT / "model" / "decode_cache.py").exists()
+    for p in sorted((ROOT / "model").glob("*.py")):
+        for node in ast.walk(_tree(f"model/{p.name}")):
+            if isinstance(node, ast.FunctionDef):
+                assert not node.name.endswith("decode_step"), f"model/{p.name}:{node.lineno}: {node.name}()"
+            if isinstance(node, ast.ClassDef):
+                assert node.name not in ("ModelState", "LayerState", "CompressorState", "DecodeCache"), \
+                    f"model/{p.name}:{node.lineno}: class {node.name} (the state lives in cache.py)"
+
+
+# What only a layer's own code touches: reaching any of it from compiled_decode.py means a block is
+# being assembled there by hand again.
+BLOCK_INTERNALS = {"hc_attn", "hc_ffn", "pre", "post", "attn_norm", "ffn_norm", "rms_norm", "router_scores",
+                   "shared_expert", "combine", "compressor", "index_compressor", "indexer", "sink_softmax",
+                   "_project", "_output", "_attend", "_attend_step", "update_raw", "windows", "commit"}
+
+
+def test_compiled_decode_compiles_block_methods_not_a_copy():
+    tree = _tree("model/compiled_decode.py")
+    used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    assert not used & BLOCK_INTERNALS, f"compiled_decode.py reaches into a layer: {sorted(used & BLOCK_INTERNALS)}"
+    assert {"attention_part", "ffn_pre", "ffn_post"} <= used
+    # a MoE routing on the device compiles the whole layer: Block.__call__ itself
+    calls = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    assert "block" in calls
+
+
+def test_block_call_is_its_parts():
+    """``Block.__call__`` is ``attention_part`` then ``ffn_part`` (what the compiled step wraps)."""
+    block = next(n for n in ast.walk(_tree("model/transformer.py"))
+                 if isinstance(n, ast.ClassDef) and n.name == "Block")
+    call = next(n for n in block.body if isinstance(n, ast.FunctionDef) and n.name == "__call__")
+    used = {n.attr for n in ast.walk(call) if isinstance(n, ast.Attribute)
+            and isinstance(n.value, ast.Name) and n.value.id == "self"}
+    assert used == {"attention_part", "ffn_part"}, used

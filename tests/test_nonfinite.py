@@ -11,7 +11,7 @@ import pytest
 from ds4_mlx.errors import NonFiniteError
 from ds4_mlx.formats.gguf import GGUFFile
 from ds4_mlx.model.loader import load as load_network
-from ds4_mlx.model.state import ModelState
+from ds4_mlx.model.cache import ModelCache
 
 
 def _poison(src, dst, tensor: str, value: float) -> None:
@@ -31,7 +31,7 @@ def test_nonfinite_layer_is_named_and_state_untouched(small_model_path, tmp_path
     bad = tmp_path / "bad.gguf"
     _poison(small_model_path, bad, "blk.1.attn_norm.weight", value)
     net = load_network(bad)
-    state = ModelState.empty(net.config)
+    state = ModelCache.empty(net.config)
     with pytest.raises(NonFiniteError, match=r"layer 1 produced non-finite values .* at positions 0\.\.4 "
                                              r"\(non-finite weights in .*bad\.gguf\?\)"):
         net.forward_chunk(np.arange(1, 6), state)
@@ -44,7 +44,7 @@ def test_nonfinite_embedding_is_named_before_any_layer(small_model_path, tmp_pat
     _poison(small_model_path, bad, "token_embd.weight", np.inf)
     net = load_network(bad)
     with pytest.raises(NonFiniteError, match="the token embedding produced non-finite values"):
-        net.forward_chunk(np.arange(1, 4), ModelState.empty(net.config))
+        net.forward_chunk(np.arange(1, 4), ModelCache.empty(net.config))
 
 
 def test_nonfinite_output_head_is_named(small_model_path, tmp_path):
@@ -52,10 +52,10 @@ def test_nonfinite_output_head_is_named(small_model_path, tmp_path):
     _poison(small_model_path, bad, "output_norm.weight", np.nan)
     net = load_network(bad)
     with pytest.raises(NonFiniteError, match="the output head produced non-finite values"):
-        net.forward_chunk(np.arange(1, 4), ModelState.empty(net.config))
+        net.forward_chunk(np.arange(1, 4), ModelCache.empty(net.config))
 
 
 def test_finite_model_passes(small_model_path):
     net = load_network(small_model_path)
-    logits, state = net.forward_chunk(np.arange(1, 4), ModelState.empty(net.config))
+    logits, state = net.forward_chunk(np.arange(1, 4), ModelCache.empty(net.config))
     assert state.n_tokens == 3 and np.isfinite(np.array(logits)).all()

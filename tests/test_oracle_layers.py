@@ -32,7 +32,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4_mlx.model.state import ModelState
+from ds4_mlx.model.cache import ChunkAt, ModelCache
 from oracle_golden import layer_dump
 
 CASES = {"raw_short": range(6), "chat_nothink": range(6), "dev_long": (2, 3)}
@@ -53,9 +53,10 @@ def models(tiny_model_path):
 
 def _run_layer(model, tokens: np.ndarray, H: np.ndarray, il: int) -> tuple[np.ndarray, np.ndarray]:
     block = model.blocks[il]
-    state = ModelState.empty(model.config).layers[il]
+    cache = ModelCache.empty(model.config).layers[il]
+    cache.bind(ChunkAt(0, H.shape[0], model.ops))
     with model.ops.stream():
-        after, _ = block.attention_part(mx.array(H), 0, state)
+        after = block.attention_part(mx.array(H), cache)
         out = block.ffn_part(after, tokens)
     return np.array(after), np.array(out)
 

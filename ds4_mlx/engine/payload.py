@@ -68,7 +68,7 @@ import numpy as np
 from ds4_mlx.errors import PayloadError
 from ds4_mlx.formats.config import ModelConfig
 from ds4_mlx.model.numerics import EMPTY_SCORE
-from ds4_mlx.model.state import FIELDS, LANES, StateArray, state_layout
+from ds4_mlx.model.cache import FIELDS, LANES, StateArray, state_layout
 
 MAGIC = b"DS4MLXSP"
 VERSION = 1
@@ -133,7 +133,7 @@ def model_fingerprint(gguf_file) -> bytes:
 
 
 # One record: layer, lane (raw / attn / index), field (rows / kst / gst) and its shape; the layout is
-# the model's (``state.state_layout``), so the payload never restates it.
+# the model's (``cache.state_layout``), so the payload never restates it.
 ArraySpec = StateArray
 
 
@@ -157,7 +157,7 @@ def compressed_bytes_per_token(cfg: ModelConfig) -> float:
 
 @dataclass
 class Payload:
-    """A decoded payload. ``arrays`` are float32 numpy arrays keyed like ``ModelState.to_numpy``."""
+    """A decoded payload. ``arrays`` are float32 numpy arrays keyed like ``ModelCache.to_numpy``."""
 
     model_id: bytes
     ctx: int
@@ -217,7 +217,7 @@ def encode(cfg: ModelConfig, *, model_id: bytes, ctx: int, chunk: int, numerics:
            tokens: Sequence[int], logits: np.ndarray, arrays: dict[str, np.ndarray]) -> list[bytes | memoryview]:
     """The payload as a list of buffers (in order; the caller writes them, never needs to join them).
 
-    ``arrays`` as ``ModelState.to_numpy`` gives them. Raises PayloadError if an argument does not
+    ``arrays`` as ``ModelCache.to_numpy`` gives them. Raises PayloadError if an argument does not
     fit the config (a caller bug, but cheap to catch before it reaches a file).
     """
     if len(model_id) != MODEL_ID_BYTES:

@@ -59,7 +59,7 @@ from ds4_mlx.engine import payload as payload_format
 from ds4_mlx.engine.payload import PayloadError
 from ds4_mlx.engine.sampling import SamplingParams, TokenScore, XorShiftRng, argmax, sample, token_logprob, top_logprobs
 from ds4_mlx.errors import InferenceError
-from ds4_mlx.model.state import ModelState
+from ds4_mlx.model.cache import ModelCache
 
 DEFAULT_CHUNK = 2048
 RESUME_PREFILL_MIN = 2
@@ -75,7 +75,7 @@ class Snapshot:
     """A restorable session state: the token history, the model state after it, the logits."""
 
     tokens: tuple[int, ...]
-    state: ModelState
+    state: ModelCache
     logits: mx.array | None
 
     @property
@@ -83,7 +83,8 @@ class Snapshot:
         return len(self.tokens)
 
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.state.arrays()) + (0 if self.logits is None else self.logits.nbytes)
+        """Bytes of the state as serialised (canonical arrays) plus the logits."""
+        return self.state.state_nbytes + (0 if self.logits is None else self.logits.nbytes)
 
 
 @dataclass(frozen=True)
@@ -222,7 +223,7 @@ class Session:
 
     def reset(self) -> None:
         """Empty the live state (snapshot pools are kept)."""
-        self._rt.restore((ModelState.empty(self.config), [], None))
+        self._rt.restore((ModelCache.empty(self.config), [], None))
 
     def _goto(self, target: list[int], allow_rebuild: bool) -> SyncStats:
         common = self.common_prefix(target)
@@ -365,7 +366,7 @@ class Session:
                                   size=size)
         d = dict(p.arrays)
         d["n_tokens"] = np.array(len(p.tokens), dtype=np.int64)
-        state = ModelState.from_numpy(self.config, d)
+        state = ModelCache.from_numpy(self.config, d)
         self._set(Snapshot(tuple(p.tokens), state, mx.array(p.logits)))
         return len(p.tokens)
 

@@ -21,13 +21,12 @@ import numpy as np
 
 from ds4_mlx.formats.config import ModelConfig
 from ds4_mlx.model.compressor import Compressor
-from ds4_mlx.model.decode_cache import LayerCache
+from ds4_mlx.model.cache import LayerCache
 from ds4_mlx.model.indexer import Indexer
 from ds4_mlx.model.linear import DenseWeight
 from ds4_mlx.model.numerics import f16_round, fp8_kv_round
 from ds4_mlx.model.ops import DefaultOps
 from ds4_mlx.model.rope import Rope, apply_rope
-from ds4_mlx.model.state import LayerState
 
 # Upper bound on the floats held by one query block's score / gather tensors.
 BLOCK_BUDGET = 1 << 23
@@ -53,77 +52,35 @@ class Attention:
 
     # -- the sub-layer ---------------------------------------------------------------------------
 
-    def __call__(self, x: mx.array, p0: int, state: LayerState) -> tuple[mx.array, LayerState]:
-        """x [L, n_embd] for positions p0..p0+L-1 -> (a [L, n_embd], state after these tokens)."""
-        L, ops = x.shape[0], self.ops
-        pos = p0 + np.arange(L)
+    def __call__(self, x: mx.array, cache: LayerCache) -> mx.array:
+        """x [L, n_embd] at the cache's bound positions (``cache.at``) -> a [L, n_embd]; appends the
+        tokens to ``cache`` (raw ring, compressor and indexer lanes).
+
+        One body for prefill chunks and decode steps; the cache supplies the layout-dependent parts
+        (RoPE tables of the positions, the raw keys, the lanes' visible rows) and ``_attend`` picks
+        the keys: exact-shape query blocks with the indexer's selection on the host for a chunk,
+        fixed shapes padded with masked keys and the selection on the device for a step.
+        """
+        L, at = x.shape[0], cache.at
         xn, qn, q, kv = self._project(x, L)
 
-        cos, sin = ops.rope_tables(self.rope, pos)
+        cos, sin = at.tables(self.rope)
         q = apply_rope(q, cos, sin)
         kv = f16_round(fp8_kv_round(apply_rope(kv, cos, sin), self.n_nope))
+        raw = cache.update_raw(kv)
 
-        # Raw rows before the chunk (positions p0-n_prev..p0-1) followed by the chunk's own rows.
-        n_prev = state.raw.shape[0]
-        raw = mx.concatenate([state.raw, kv], axis=0)
-
-        attn_state = index_state = None
         comp = idx_rows = None
         if self.ratio:
-            _, attn_state = self.compressor(xn, p0, state.attn)
-            comp = attn_state.rows
+            comp = self.compressor(xn, cache.attn)
             if self.ratio == 4:
-                _, index_state = self.index_compressor(xn, p0, state.index)
-                idx_rows = index_state.rows
+                idx_rows = self.index_compressor(xn, cache.index)
 
-        heads = self._attend(q, qn, xn, cos, sin, pos, raw, n_prev, comp, idx_rows)
-        icos, isin = ops.rope_tables(self.rope, pos, inverse=True)
-        a = self._output(apply_rope(heads, icos, isin))
-
-        new_raw = raw[-self.n_swa:] if raw.shape[0] > self.n_swa else raw
-        return a, LayerState(new_raw, attn_state, index_state)
-
-    def decode_step(self, x: mx.array, pos: mx.array, cos: mx.array, sin: mx.array, ccos: mx.array | None,
-                    csin: mx.array | None, cache: LayerCache) -> tuple[mx.array, LayerCache]:
-        """One query at position ``pos`` (int32 scalar array) with fixed shapes, for the compiled
-        decode step (DEFAULT numerics): x [1, n_embd] -> (a [1, n_embd], the layer's cache after it).
-
-        cos/sin [1, n_rot/2]: tables at p; ccos/csin: at the compressor window's first position.
-        The same keys as ``__call__`` in the same order (raw window oldest first, then compressed
-        rows ascending), padded to fixed counts with masked keys: the raw window is gathered from
-        the ring (slots of positions < 0 masked), compressed rows are all row slots (visible iff
-        row < (p+1)//R) or, on ratio-4 layers whose buffer exceeds top_k rows, the indexer's top_k
-        slots (see ``Indexer.select_fixed``).
-        """
-        H, D = self.n_head, self.head_dim
-        xn, qn, q, kv = self._project(x, 1)
-        q = apply_rope(q, cos, sin)
-        kv = f16_round(fp8_kv_round(apply_rope(kv, cos, sin), self.n_nope))
-
-        ring = mx.slice_update(cache.ring, kv, (pos % self.n_swa).reshape(1), axes=(0,))
-        j = mx.arange(self.n_swa, dtype=mx.int32)
-        raw_keys = mx.take(ring, (pos + 1 + j) % self.n_swa, axis=0)  # positions p-n_swa+1 .. p
-        key_sets = [(raw_keys, (j >= self.n_swa - 1 - pos)[None])]
-
-        attn_lane = index_lane = None
-        if self.ratio:
-            R = self.ratio
-            attn_lane = self.compressor.decode_step(xn, pos, ccos, csin, cache.attn)
-            comp = attn_lane.rows
-            n_vis = (pos + 1) // R
-            n_slots = comp.shape[0]
-            if R == 4:
-                index_lane = self.index_compressor.decode_step(xn, pos, ccos, csin, cache.index)
-            if R == 4 and n_slots > self.indexer.top_k:
-                qi, wi = self.indexer.queries(qn, xn, cos, sin)
-                sc = self.indexer.scores(qi, wi, index_lane.rows)[0]
-                ids, used = self.indexer.select_fixed(sc, n_vis)
-                key_sets.append((mx.take(comp, ids, axis=0)[None], used[None]))
-            else:
-                key_sets.append((comp, (mx.arange(n_slots, dtype=mx.int32) < n_vis)[None]))
-
-        heads = apply_rope(self.ops.sink_softmax(q, key_sets, self.sinks, self.kq_scale), cos, -sin)
-        return self._output(heads), LayerCache(ring, attn_lane, index_lane)
+        if at.fixed:
+            heads = self._attend_step(q, qn, xn, cos, sin, at.pos, raw, comp, idx_rows)
+        else:
+            heads = self._attend(q, qn, xn, cos, sin, at.positions, *raw, comp, idx_rows)
+        icos, isin = at.inverse_tables(self.rope)
+        return self._output(apply_rope(heads, icos, isin))
 
     # -- projections in and out ---------------------------------------------------------------------
 
@@ -199,3 +156,24 @@ class Attention:
 
             out.append(self.ops.sink_softmax(q[b0:b1], key_sets, self.sinks, self.kq_scale))
         return out[0] if len(out) == 1 else mx.concatenate(out, axis=0)
+
+    def _attend_step(self, q: mx.array, qn: mx.array, xn: mx.array, cos: mx.array, sin: mx.array,
+                     pos: mx.array, raw: tuple[mx.array, mx.array], comp: mx.array | None,
+                     idx_rows: mx.array | None) -> mx.array:
+        """``_attend`` for one query at the traced position ``pos`` with fixed shapes: the same keys
+        in the same order (raw window oldest first, then compressed rows ascending), padded with
+        masked keys: compressed rows are every row slot (visible iff row < (p+1)//R) or, on ratio-4
+        layers whose buffer exceeds top_k rows, the indexer's top_k slots (``Indexer.select_fixed``).
+        """
+        key_sets = [raw]
+        if self.ratio:
+            n_vis = (pos + 1) // self.ratio
+            n_slots = comp.shape[0]
+            if self.ratio == 4 and n_slots > self.indexer.top_k:
+                qi, wi = self.indexer.queries(qn, xn, cos, sin)
+                sc = self.indexer.scores(qi, wi, idx_rows)[0]
+                ids, used = self.indexer.select_fixed(sc, n_vis)
+                key_sets.append((mx.take(comp, ids, axis=0)[None], used[None]))
+            else:
+                key_sets.append((comp, (mx.arange(n_slots, dtype=mx.int32) < n_vis)[None]))
+        return self.ops.sink_softmax(q, key_sets, self.sinks, self.kq_scale)

@@ -1,22 +1,25 @@
-"""The decode step (one token, DEFAULT numerics) as ``mx.compile``d functions over a ``DecodeCache``.
+"""The decode step (one token, DEFAULT numerics): ``mx.compile`` over the model's own ``Block``
+methods, run on a ``ModelCache`` whose buffers have fixed shapes (``cache.StepAt``).
 
-Split of one step (the routed experts read data-dependent slabs out of the mmap, which a trace
-cannot do, so the step is cut at every router):
+Nothing here re-assembles a layer: a compiled layer function builds a view of the layer's cache
+over its input arrays (``LayerCache.view``) and calls ``Block.attention_part`` — the very code a
+prefill chunk runs — then ``Block.ffn_pre``. Where the routed experts are chosen on the host
+(``MoE.routes_on_device`` False: numpy top-k, expert slabs read out of the mmap, which a trace
+cannot do) the step is cut at every router:
 
-    compiled  layer_fn[il](carry, pos, rope tables, layer cache)
-                  finish the previous layer's FFN: H = HC.post(Σ down_i + shared, H, post, C)
-                  HC pre → attention (Attention.decode_step: projections, RoPE, FP8, ring write,
-                  compressor / indexer lanes, indexer top-k, sink softmax, grouped out) → HC post
-                  → HC pre of the FFN → ffn_norm → router scores → shared expert
-              -> (H, xn, post, C, prob, choice, shared, new layer cache)
-    eager     expert ids: top-k of ``choice`` in numpy (or tid2eid[token]); the router weights;
-              gate / up / down of the selected experts (``ExpertWeights``: slab reads, the
-              dequantized-expert cache, byte counters)
+    compiled  layer_fn[il](carry, pos, rope tables, layer cache arrays)
+                  finish the previous layer's FFN (``Block.ffn_post``), ``Block.attention_part``,
+                  ``Block.ffn_pre`` (HC pre, ffn_norm, router scores, shared expert)
+              -> (H, xn, post, C, prob, shared[, choice]), new layer cache arrays
+    eager     expert ids (``MoE.select``), their weights, the routed experts (``ExpertWeights``)
     compiled  head_fn(carry): finish the last FFN, output HC, norm, output matmul -> logits
+
+A MoE that routes on the device (``routes_on_device`` True) has no host break: its whole layer,
+``Block.__call__`` with the token id as an int32 array, is one compiled function per layer.
 
 Every input of a compiled function keeps its shape from step to step: the position is an int32
 scalar array, the RoPE tables of the position are [1, n_rot/2] arrays computed in numpy (the same
-tables the chunk path uses), the cache buffers are fixed (``decode_cache``). A function is traced
+tables the chunk path uses), the cache buffers are fixed (``cache.capacity_for``). A function is traced
 once per layer, and again only when the row buffers grow (a new shape; log2 times over a context).
 ``traces`` counts the traces (the Python bodies run only while MLX traces them). On MLX's CPU
 backend the first trace of a new shape also builds its fused kernels with the system C++ compiler
@@ -29,9 +32,10 @@ row slot of that window, counted only once the window closes. Measured at the re
 rest of a real-dims layer's decode step (~0.4 %), so one trace per layer beats a second, emitting
 variant of every function.
 
-Numerics. The arithmetic is the chunk path's DEFAULT arithmetic for a one-token chunk, op for op,
-except that fixed shapes pad the raw window (before it fills) and the compressed rows with masked
-keys; the masked keys weigh exactly 0, but BLAS rounds a product's dot products differently
+Numerics. The arithmetic is the chunk path's DEFAULT arithmetic for a one-token chunk (the same
+module code; only the cache's layout-dependent parts and the key selection take their fixed-shape
+form), except that fixed shapes pad the raw window (before it fills) and the compressed rows with
+masked keys; the masked keys weigh exactly 0, but BLAS rounds a product's dot products differently
 depending on the product's other dimension, so the scores and the weighted sums can differ in the
 last bits. MLX's fused kernels compute the same per-element operations as the eager ones (the
 compiled and the eager fixed-shape step are bit-identical). So the logits equal the uncompiled
@@ -39,8 +43,8 @@ decode's up to rounding noise (``tests/test_compiled_decode.py`` measures it), a
 shapes depend only on the position, two sessions decoding the same tokens from the same state
 agree bit for bit.
 
-Metal: the expert kernels (``metal_kernels``) take the expert ids as array inputs, so there the
-routed experts could move into the traced functions as well; that is not done (nor measured) here.
+Metal: the expert kernels (``metal_kernels``) take the expert ids as array inputs; a MoE strategy
+that routes on the device sets ``routes_on_device`` and its layers compile whole (see above).
 """
 
 from __future__ import annotations
@@ -50,9 +54,9 @@ import weakref
 import mlx.core as mx
 import numpy as np
 
-from ds4_mlx.model.decode_cache import DecodeCache, LaneCache, LayerCache, capacity_for
+from ds4_mlx.errors import InferenceError
+from ds4_mlx.model.cache import LayerCache, ModelCache, StepAt
 from ds4_mlx.model.rope import Rope
-from ds4_mlx.model.state import InferenceError
 
 
 class _RopeRows:
@@ -79,49 +83,37 @@ def _rope_key(rope: Rope) -> tuple:
     return float(rope.base), float(rope.freq_scale), bool(rope.yarn), int(rope.half)
 
 
-def _flatten(lc: LayerCache) -> list[mx.array]:
-    out = [lc.ring]
-    for lane in (lc.attn, lc.index):
-        if lane is not None:
-            out += [lane.rows, lane.kst, lane.gst]
-    return out
-
-
-def _unflatten(a: list[mx.array]) -> LayerCache:
-    attn = LaneCache(*a[1:4]) if len(a) > 1 else None
-    index = LaneCache(*a[4:7]) if len(a) > 4 else None
-    return LayerCache(a[0], attn, index)
-
-
 class _Counter:
     n = 0
 
 
 def _finish_ffn(carry: list[mx.array], prev) -> mx.array:
-    """carry = [H] (layer 0) or [down, shared, H, post, C] (a pending FFN of block ``prev``) -> H."""
+    """carry = [H] (layer 0, or after a layer routed on the device) or [routed, shared, H, post, C]
+    (the pending FFN of block ``prev``) -> H."""
     if len(carry) == 1:
         return carry[0]
-    down, shared, H, post, comb = carry
-    return prev.hc_ffn.post(prev.ffn.combine(down, shared), H, post, comb)
+    return prev.ffn_post(*carry)
 
 
-def _layer_body(block, prev, counter: _Counter):
-    attn, ffn = block.attn, block.ffn
-
-    def body(carry, pos, tables, cache):
+def _host_routed_layer(block, prev, template: LayerCache, counter: _Counter):
+    """Everything of layer ``block`` up to its router, after the previous layer's FFN tail."""
+    def body(carry, pos, tables, arrays):
         counter.n += 1
-        H = _finish_ffn(carry, prev)
-        cos, sin, ccos, csin = tables if len(tables) == 4 else (*tables, None, None)
-        x, post, comb = block.hc_attn.pre(H)
-        a, lc = attn.decode_step(x, pos, cos, sin, ccos, csin, _unflatten(cache))
-        H = block.hc_attn.post(a, H, post, comb)
-        x, post, comb = block.hc_ffn.pre(H)
-        xn = ffn.ops.rms_norm(x, ffn.ffn_norm, ffn.eps)
-        prob, choice = ffn.router_scores(xn)
-        out = [H, xn, post, comb, prob, ffn.shared_expert(xn)]
-        if choice is not None:
-            out.append(choice)
-        return out, _flatten(lc)
+        cache = template.view(arrays, StepAt(pos, *tables))
+        H = block.attention_part(_finish_ffn(carry, prev), cache)
+        xn, post, comb, prob, shared, choice = block.ffn_pre(H)
+        out = [H, xn, post, comb, prob, shared] + ([] if choice is None else [choice])
+        return out, cache.arrays()
+
+    return body
+
+
+def _device_routed_layer(block, prev, template: LayerCache, counter: _Counter):
+    """The whole layer (``Block.__call__``): its MoE routes on the device."""
+    def body(carry, token, pos, tables, arrays):
+        counter.n += 1
+        cache = template.view(arrays, StepAt(pos, *tables))
+        return [block(_finish_ffn(carry, prev), token, cache)], cache.arrays()
 
     return body
 
@@ -152,8 +144,14 @@ class CompiledDecoder:
         self._tables: dict[tuple, _RopeRows] = {}
         wrap = mx.compile if compile else (lambda f: f)
         blocks = model.blocks
-        self._layer_fns = [wrap(_layer_body(b, blocks[i - 1] if i else None, self._counter))
-                           for i, b in enumerate(blocks)]
+        # The structure of each layer's cache (which lanes, their sizes) for the views built inside
+        # the traces; its arrays are never read.
+        templates = ModelCache.empty(model.config).layers
+        self._device_routed = [bool(getattr(b.ffn, "routes_on_device", False)) for b in blocks]
+        self._layer_fns = []
+        for i, b in enumerate(blocks):
+            make = _device_routed_layer if self._device_routed[i] else _host_routed_layer
+            self._layer_fns.append(wrap(make(b, blocks[i - 1] if i else None, templates[i], self._counter)))
         self._head_fn = wrap(_head_body(self._model, blocks[-1], self._counter))
 
     @property
@@ -173,18 +171,15 @@ class CompiledDecoder:
 
     # -- one step -----------------------------------------------------------------------------------
 
-    def step(self, token: int, cache: DecodeCache) -> mx.array:
+    def step(self, token: int, cache: ModelCache) -> mx.array:
         """Feed ``token`` at position ``cache.n_tokens``; updates ``cache`` in place (evaluated) and
         returns the next-token logits [n_vocab], lazily: a caller that never reads them (all but the
         last token of a decoded suffix) skips the output projection, as the chunk path does."""
         p = cache.n_tokens
-        cap = capacity_for(p)
-        if cap > cache.capacity:
-            grown = cache.grown(cap)
-            cache.capacity, cache.layers = grown.capacity, grown.layers
-            del grown
+        cache.reserve(p)
         pos = mx.array(p, dtype=mx.int32)
         tokens = np.array([token], dtype=np.int64)
+        token_arr = mx.array(tokens.astype(np.int32))
         model = self.model
         carry = [model.embed(tokens)]
         for il, block in enumerate(model.blocks):
@@ -193,15 +188,18 @@ class CompiledDecoder:
             tables = list(rows.at(p))
             if attn.ratio:
                 tables += list(rows.at(p - p % attn.ratio))
-            out, new_cache = self._layer_fns[il](carry, pos, tables, _flatten(cache.layers[il]))
+            lc = cache.layers[il]
+            if self._device_routed[il]:
+                carry, arrays = self._layer_fns[il](carry, token_arr, pos, tables, lc.arrays())
+            else:
+                out, arrays = self._layer_fns[il](carry, pos, tables, lc.arrays())
+                H, xn, post, comb, prob, shared = out[:6]
+                sel = ffn.select(out[6] if len(out) > 6 else None, tokens)
+                carry = [ffn.routed_experts(xn, sel, ffn.route_weights(prob, sel)), shared, H, post, comb]
             # drop the old buffers before anything is evaluated, so MLX may update them in place
-            cache.layers[il] = _unflatten(new_cache)
-            del new_cache
-            H, xn, post, comb, prob, shared = out[:6]
-            sel = ffn.select(out[6] if len(out) > 6 else None, tokens)
-            w = ffn.route_weights(prob, sel)
-            carry = [ffn.routed_experts(xn, sel, w), shared, H, post, comb]
+            lc.set_arrays(arrays)
+            del arrays
         logits = self._head_fn(carry)
-        cache.n_tokens = p + 1
+        cache.advance(p + 1)
         mx.eval(*cache.arrays())
         return logits

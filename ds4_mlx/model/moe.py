@@ -22,6 +22,10 @@ ROUTER_SUM_FLOOR = 6.103515625e-5  # 2^-14
 
 
 class MoE:
+    # True when expert choice and expert matmuls run on the device (no host break), so the compiled
+    # decode step compiles the whole layer (``compiled_decode``); the host strategy is False.
+    routes_on_device = False
+
     def __init__(self, *, ffn_norm: mx.array, router: DenseWeight, bias: mx.array | None,
                  tid2eid: np.ndarray | None, gate_exps: ExpertWeights, up_exps: ExpertWeights,
                  down_exps: ExpertWeights, gate_sh: DenseWeight, up_sh: DenseWeight, down_sh: DenseWeight,

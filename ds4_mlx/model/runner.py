@@ -8,12 +8,11 @@ default), so a session resumed from any checkpoint executes the same chunks as a
 the whole prompt would from that point on. ``eval(token)`` feeds one token (see Decode). The engine layer
 builds sampling, snapshots and the KV store on top of this (``engine/session.py``).
 
-Decode. In DEFAULT numerics a one-token feed (``eval``, or ``prefill`` of one token, which is how
-the engine decodes) runs the compiled decode step (``compiled_decode``) on a fixed-shape
-``DecodeCache``: the session converts its ``ModelState`` into one when decoding starts, and back
-(exactly, lazily) when ``state`` is read — a snapshot, a payload save, a prefill of several tokens.
-``compile=False`` (or the environment variable ``DS4_MLX_COMPILE=0``) keeps every feed on the chunk
-path. ds4-cpu numerics never compile (``compiled`` is then False whatever was asked).
+The runner holds one ``ModelCache`` (``state``). Decode: in DEFAULT numerics a one-token feed
+(``eval``, or ``prefill`` of one token, which is how the engine decodes) runs the compiled decode
+step (``compiled_decode``) on that same cache, updated in place; prefill chunks replace it with the
+cache after the chunk. ``compile=False`` (or the environment variable ``DS4_MLX_COMPILE=0``) keeps
+every feed on the chunk path. ds4-cpu numerics never compile (``compiled`` is then False whatever was asked).
 """
 
 from __future__ import annotations
@@ -25,8 +24,8 @@ import mlx.core as mx
 import numpy as np
 
 from ds4_mlx import allocator
-from ds4_mlx.model.decode_cache import DecodeCache
-from ds4_mlx.model.state import InferenceError, ModelState
+from ds4_mlx.errors import InferenceError
+from ds4_mlx.model.cache import ModelCache
 
 
 # A prefill at least this long leaves GiBs of freed temporaries in the (tuned) heap: give them back.
@@ -49,27 +48,23 @@ class Runner:
         self.chunk = chunk
         want = _compile_default() if compile is None else bool(compile)
         self.compiled = want and model.ops.compilable
-        # The live state is held as a ModelState, a DecodeCache, or both (the ModelState being the
-        # cache's exact conversion); at least one is set.
-        self._state: ModelState | None = ModelState.empty(cfg)
-        self._cache: DecodeCache | None = None
+        self._cache = ModelCache.empty(cfg)
         self.tokens: list[int] = []
         self._logits: mx.array | None = None
 
     @property
-    def state(self) -> ModelState:
-        """The canonical state after ``n_tokens`` (converted from the decode cache when needed)."""
-        if self._state is None:
-            self._state = self._cache.to_state(self.model.config)
-        return self._state
+    def state(self) -> ModelCache:
+        """The live cache after ``n_tokens`` (take ``copy()`` for anything that must outlive the
+        next feed: decode steps update it in place)."""
+        return self._cache
 
     @state.setter
-    def state(self, value: ModelState) -> None:
-        self._state, self._cache = value, None
+    def state(self, value: ModelCache) -> None:
+        self._cache = value
 
     @property
     def n_tokens(self) -> int:
-        return self._cache.n_tokens if self._cache is not None else self._state.n_tokens
+        return self._cache.n_tokens
 
     def _check(self, tokens: np.ndarray) -> None:
         n_vocab = self.model.config.n_vocab
@@ -93,10 +88,10 @@ class Runner:
             return
         i = 0
         while i < toks.size:
-            p = self.state.n_tokens
+            p = self._cache.n_tokens
             take = min(toks.size - i, self.chunk - p % self.chunk)
             last = i + take == toks.size
-            logits, self.state = self.model.forward_chunk(toks[i: i + take], self.state, want_logits=last)
+            logits, self._cache = self.model.forward_chunk(toks[i: i + take], self._cache, want_logits=last)
             if last:
                 self._logits = logits
             i += take
@@ -105,13 +100,7 @@ class Runner:
             allocator.trim_heap()
 
     def _decode(self, toks: np.ndarray) -> None:
-        if self._cache is None:
-            self._cache = DecodeCache.from_state(self.model.config, self._state)
-        # Dropped before the step, not after: a converted state shares the cache's row buffers, and
-        # while anything holds them MLX must copy the buffers instead of writing the new rows in place.
-        self._state = None
-        logits, self._cache = self.model.forward_chunk(toks, self._cache, want_logits=True)
-        self._logits = logits
+        self._logits = self.model.step(int(toks[0]), self._cache)
         self.tokens.extend(int(t) for t in toks)
 
     def eval(self, token: int) -> None:
@@ -125,13 +114,12 @@ class Runner:
         return np.array(self._logits, dtype=np.float32)
 
     def nbytes(self) -> int:
-        """Bytes of the live state's arrays, read from whichever form is held (no conversion)."""
-        arrays = self._cache.arrays() if self._cache is not None else self._state.arrays()
-        return sum(a.nbytes for a in arrays)
+        """Bytes of the live cache's buffers."""
+        return self._cache.nbytes
 
-    def snapshot(self) -> tuple[ModelState, list[int], mx.array | None]:
-        return self.state.copy(), list(self.tokens), self._logits
+    def snapshot(self) -> tuple[ModelCache, list[int], mx.array | None]:
+        return self._cache.copy(), list(self.tokens), self._logits
 
-    def restore(self, snap: tuple[ModelState, list[int], mx.array | None]) -> None:
+    def restore(self, snap: tuple[ModelCache, list[int], mx.array | None]) -> None:
         state, tokens, logits = snap
-        self.state, self.tokens, self._logits = state.copy(), list(tokens), logits
+        self._cache, self.tokens, self._logits = state.copy(), list(tokens), logits

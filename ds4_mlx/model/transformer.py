@@ -6,9 +6,9 @@
     logits = W_out · RMSNorm(OutputHC(H), output_norm)
 
 ``Model.forward_chunk`` runs a chunk of tokens layer-major (all tokens through layer 0, then
-layer 1, …) from an explicit ``ModelState`` and returns the new state; it never mutates its inputs.
-Given a ``DecodeCache`` instead (DEFAULT numerics), it runs the tokens one by one through the
-compiled decode step (``compiled_decode``), which updates that cache in place and returns it.
+layer 1, …) from a ``ModelCache`` and returns the cache after them (a copy: the caller's cache is
+never changed). ``Model.step`` feeds one token through the compiled decode step
+(``compiled_decode``: ``mx.compile`` over these same ``Block`` methods), updating the cache in place.
 """
 
 from __future__ import annotations
@@ -20,14 +20,13 @@ from ds4_mlx import allocator
 from ds4_mlx.errors import NonFiniteError
 from ds4_mlx.formats.config import ModelConfig
 from ds4_mlx.model.attention import Attention
+from ds4_mlx.model.cache import ChunkAt, LayerCache, ModelCache
 from ds4_mlx.model.compiled_decode import CompiledDecoder
-from ds4_mlx.model.decode_cache import DecodeCache
 from ds4_mlx.model.hyper_connection import HyperConnection, OutputHC
 from ds4_mlx.model.linear import DenseWeight
 from ds4_mlx.model.moe import MoE
 from ds4_mlx.model.ops import DefaultOps, Numerics
 from ds4_mlx.model.runner import Runner
-from ds4_mlx.model.state import LayerState, ModelState
 
 
 class Block:
@@ -36,20 +35,36 @@ class Block:
     def __init__(self, il: int, hc_attn: HyperConnection, attn: Attention, hc_ffn: HyperConnection, ffn: MoE):
         self.il, self.hc_attn, self.attn, self.hc_ffn, self.ffn = il, hc_attn, attn, hc_ffn, ffn
 
-    def attention_part(self, H: mx.array, p0: int, state: LayerState) -> tuple[mx.array, LayerState]:
+    def attention_part(self, H: mx.array, cache: LayerCache) -> mx.array:
+        """HC-wrapped attention: H [T, n_hc, n_embd] at the cache's bound positions -> H."""
         x, post, comb = self.hc_attn.pre(H)
-        a, state = self.attn(x, p0, state)
-        return self.hc_attn.post(a, H, post, comb), state
+        return self.hc_attn.post(self.attn(x, cache), H, post, comb)
 
-    def ffn_part(self, H: mx.array, tokens: np.ndarray) -> mx.array:
+    def ffn_part(self, H: mx.array, tokens) -> mx.array:
+        """HC-wrapped MoE (``tokens``: this position's input ids, for hash routing)."""
         x, post, comb = self.hc_ffn.pre(H)
-        f = self.ffn(x, tokens)
-        return self.hc_ffn.post(f, H, post, comb)
+        return self.hc_ffn.post(self.ffn(x, tokens), H, post, comb)
 
-    def __call__(self, H: mx.array, tokens: np.ndarray, p0: int, state: LayerState) -> tuple[mx.array, LayerState]:
-        """H [T, n_hc, n_embd] at positions p0.. -> (H after the layer, layer state after the tokens)."""
-        H, state = self.attention_part(H, p0, state)
-        return self.ffn_part(H, tokens), state
+    # The FFN split at the router, for a decode step whose routing runs on the host (the MoE does not
+    # route on the device): ``ffn_pre`` is everything before the expert choice, ``ffn_post`` after the
+    # routed experts; together with ``MoE.route_weights`` / ``routed_experts`` they are ``ffn_part``.
+
+    def ffn_pre(self, H: mx.array) -> tuple[mx.array, ...]:
+        """H -> (xn, post, comb, prob, shared expert output, selection scores or None)."""
+        ffn = self.ffn
+        x, post, comb = self.hc_ffn.pre(H)
+        xn = ffn.ops.rms_norm(x, ffn.ffn_norm, ffn.eps)
+        prob, choice = ffn.router_scores(xn)
+        return xn, post, comb, prob, ffn.shared_expert(xn), choice
+
+    def ffn_post(self, routed: mx.array, shared: mx.array, H: mx.array, post: mx.array,
+                 comb: mx.array) -> mx.array:
+        return self.hc_ffn.post(self.ffn.combine(routed, shared), H, post, comb)
+
+    def __call__(self, H: mx.array, tokens, cache: LayerCache) -> mx.array:
+        """H [T, n_hc, n_embd] at the cache's bound positions -> H after the layer (``cache``
+        takes the tokens)."""
+        return self.ffn_part(self.attention_part(H, cache), tokens)
 
 
 class Model:
@@ -83,46 +98,50 @@ class Model:
             self._decoders[compile] = CompiledDecoder(self, compile=compile)
         return self._decoders[compile]
 
-    def forward_chunk(self, tokens: np.ndarray, state: ModelState | DecodeCache,
-                      want_logits: bool = True) -> tuple[mx.array | None, ModelState | DecodeCache]:
-        """Run tokens (positions state.n_tokens..) layer-major; logits of the last token if asked.
-        A ``DecodeCache`` state takes the compiled decode step per token (and is updated in place)."""
+    def step(self, token: int, cache: ModelCache) -> mx.array:
+        """Feed one token through the compiled decode step (DEFAULT numerics); updates ``cache`` in
+        place and returns the next-token logits, lazily."""
+        if self.source is not None:
+            self.source.check_intact()
+        return self.decoder().step(int(token), cache)
+
+    def forward_chunk(self, tokens: np.ndarray, cache: ModelCache,
+                      want_logits: bool = True) -> tuple[mx.array | None, ModelCache]:
+        """Run tokens (positions cache.n_tokens..) layer-major; logits of the last token if asked.
+        Returns the cache after them; ``cache`` itself is left as it was."""
         if self.source is not None:
             self.source.check_intact()  # weights are about to be read: a truncated file is an error, not SIGBUS
-        if isinstance(state, DecodeCache):
-            logits = None
-            for t in np.asarray(tokens, dtype=np.int64).reshape(-1):
-                logits = self.decoder().step(int(t), state)
-            return (logits if want_logits else None), state
         with self.ops.stream():
-            return self._forward_chunk(tokens, state, want_logits)
+            return self._forward_chunk(tokens, cache, want_logits)
 
-    def _forward_chunk(self, tokens: np.ndarray, state: ModelState,
-                       want_logits: bool) -> tuple[mx.array | None, ModelState]:
+    def _forward_chunk(self, tokens: np.ndarray, cache: ModelCache,
+                       want_logits: bool) -> tuple[mx.array | None, ModelCache]:
         tokens = np.asarray(tokens, dtype=np.int64)
-        p0 = state.n_tokens
+        p0 = cache.n_tokens
+        cache = cache.copy()  # on an error the caller keeps its cache untouched
+        cache.reserve(p0 + len(tokens) - 1)
+        at = ChunkAt(p0, len(tokens), self.ops)
         H = self.embed(tokens)
         where = f"positions {p0}..{p0 + len(tokens) - 1}"
         # Each stage's finiteness is a scalar evaluated in the layer's own mx.eval, so the checks add
         # no synchronisation; the embedding's rides with layer 0's.
         pending = [("the token embedding", _all_finite(H))]
-        layers = []
         # A chunk of many tokens reads nearly every expert slab of a layer out of the mapping; those
         # clean file pages are released layer by layer (the whole GGUF mapping, found through the
         # embedding's view) so they never pile up; one-token chunks (decode steps) keep theirs.
         release = len(tokens) > 1
-        for block, ls in zip(self.blocks, state.layers):
+        for block, lc in zip(self.blocks, cache.layers):
             if self.source is not None and block.il:
                 self.source.check_intact()  # and before each further layer's weights
-            H, ls = block(H, tokens, p0, ls)
-            layers.append(ls)
+            lc.bind(at)
+            H = block(H, tokens, lc)
             pending.append((f"layer {block.il}", _all_finite(H)))
-            mx.eval(H, *ls.arrays(), *(ok for _, ok in pending))
+            mx.eval(H, *lc.arrays(), *(ok for _, ok in pending))
             _raise_nonfinite(pending, where, self.source)
             pending = []
             if release:
                 allocator.release_file_pages(self.embedding)
-        new_state = ModelState(p0 + len(tokens), layers)
+        cache.advance(p0 + len(tokens))
         logits = None
         if want_logits:
             logits = self.head(H[-1:])[0]
@@ -131,7 +150,7 @@ class Model:
             _raise_nonfinite([("the output head", ok)], where, self.source)
         if release:
             allocator.release_file_pages(self.embedding)  # the output matrix, on its first use
-        return logits, new_state
+        return logits, cache
 
     def new_session(self, ctx: int | None = None, chunk: int = 2048, compile: bool | None = None):
         """A model-level ``Runner`` (prefill / eval / logits); users want ``engine.session.Session``."""

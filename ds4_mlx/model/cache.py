@@ -1,0 +1,523 @@
+"""Per-layer inference caches: the buffers that continue a sequence exactly, one object per layer.
+
+A ``LayerCache`` holds, after n tokens (spec §9.2; R = compress ratio, D = head_dim,
+Di = indexer_head_dim, cap = ``capacity`` in tokens):
+
+    ring         [n_swa, D]        raw KV row of position q in slot q mod n_swa; slots of positions
+                                   < max(0, n - n_swa) hold stale or zero rows (never read)
+    attn.rows    [cap // R, D]     compressed rows 0 .. n//R - 1 valid; slot n//R may hold the pooled
+                                   row of the still open window (a decode step writes it every step,
+                                   it counts only once the window closes); later slots are zero
+    attn.kst/gst [coff·R, coff·D]  the canonical compressor frontier (values / scores incl. APE)
+    index.*      the same for the indexer lane of ratio-4 layers (width Di)
+
+The frontier is always the canonical one of spec §6.3 (R = 4: rows 0..3 = the last complete window,
+rows 4..4+r-1 = the partial window, r = n mod 4; R = 128: rows 0..r-1 = the partial window; all other
+rows K = 0, G = EMPTY_SCORE); every path (prefill chunk, decode step, restored state) produces it.
+
+``state`` is the canonical, exact content (raw window oldest first, valid rows only, frontier) in
+``state_layout`` order; ``from_state`` rebuilds the buffers from it. That is what snapshots compare,
+what ``to_numpy`` and the payload / disk KV format (``engine/payload.py``) serialise, so the format
+is independent of the buffer capacity.
+
+``capacity`` depends only on the number of tokens, never on the session's context size: the
+smallest power of two >= max(MIN_CAPACITY, last position of the call + 1). Two sessions at the same
+position therefore hold the same shapes (the compiled decode step reuses its trace and agrees bit
+for bit), and the buffers grow — one retrace per layer with compressed rows — only log2(ctx /
+MIN_CAPACITY) times over a whole context.
+
+Arrays are never modified in place: every update builds new arrays and rebinds the cache's
+attributes (MLX may reuse a buffer no one else holds). So ``copy()`` is a cheap snapshot that later
+steps of the original cannot change. A snapshot keeps its buffers alive: rows for ``capacity``
+tokens (at least MIN_CAPACITY), not only the valid ones; the first update after a snapshot copies
+the buffer it writes (the snapshot still holds the old one).
+
+A module call sees *where* it runs through the ``at`` attribute bound for the call: ``ChunkAt``
+(host-known positions p0..p0+L-1, exact shapes: prefill chunks, ds4-cpu and uncompiled decode) or
+``StepAt`` (one token at a traced position with fixed shapes: the compiled decode step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from ds4_mlx.errors import InferenceError
+from ds4_mlx.formats.config import ModelConfig
+from ds4_mlx.model.numerics import EMPTY_SCORE
+
+MIN_CAPACITY = 4096  # tokens; a multiple of every compress ratio
+
+LANES = ("raw", "attn", "index")
+FIELDS = ("rows", "kst", "gst")
+
+
+def capacity_for(position: int) -> int:
+    """The row-buffer capacity (tokens) for a call whose last token is at ``position``: the
+    smallest power of two >= max(MIN_CAPACITY, position + 1), so the slot position // R exists."""
+    cap = MIN_CAPACITY
+    while cap < position + 1:
+        cap *= 2
+    return cap
+
+
+# -- the serialised layout ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StateArray:
+    """One array of the canonical state after ``n`` tokens: layer, lane (``LANES``), field
+    (``FIELDS``; the raw lane has only its rows) and shape. ``state_layout`` is the one description
+    of the layout: ``ModelCache`` (de)serialisation and the payload format walk it."""
+
+    layer: int
+    lane: int
+    field: int
+    shape: tuple[int, int]
+
+    @property
+    def key(self) -> str:
+        """The ``ModelCache.to_numpy`` key of this array."""
+        if self.lane == 0:
+            return f"layer.{self.layer}.raw"
+        return f"layer.{self.layer}.{LANES[self.lane]}.{FIELDS[self.field]}"
+
+
+def state_layout(cfg: ModelConfig, n_tokens: int) -> list[StateArray]:
+    """Every array of the canonical state after ``n_tokens`` tokens, in order (layer by layer: raw,
+    then the attention lane's rows / kst / gst, then the indexer lane's), with its shape."""
+    out = []
+    for il in range(cfg.n_layer):
+        r, coff = cfg.compress_ratio(il), cfg.coff(il)
+        out.append(StateArray(il, 0, 0, (min(n_tokens, cfg.n_swa), cfg.head_dim)))
+        lanes = [(1, cfg.head_dim)] if r else []
+        if r == 4:
+            lanes.append((2, cfg.indexer_head_dim))
+        for lane, dim in lanes:
+            out.append(StateArray(il, lane, 0, (n_tokens // r, dim)))
+            out.append(StateArray(il, lane, 1, (coff * r, coff * dim)))
+            out.append(StateArray(il, lane, 2, (coff * r, coff * dim)))
+    return out
+
+
+# -- where a call runs --------------------------------------------------------------------------------
+
+
+class ChunkAt:
+    """L tokens at host-known positions p0..p0+L-1: exact shapes, tables from ``ops``."""
+
+    fixed = False
+
+    def __init__(self, p0: int, L: int, ops):
+        self.p0, self.L, self.ops = p0, L, ops
+        self.positions = p0 + np.arange(L)
+
+    def tables(self, rope) -> tuple[mx.array, mx.array]:
+        return self.ops.rope_tables(rope, self.positions)
+
+    def inverse_tables(self, rope) -> tuple[mx.array, mx.array]:
+        return self.ops.rope_tables(rope, self.positions, inverse=True)
+
+    def window_tables(self, rope, starts: np.ndarray) -> tuple[mx.array, mx.array]:
+        return self.ops.rope_tables(rope, starts)
+
+    def ape(self, ape: mx.array, ratio: int) -> mx.array:
+        return ape[mx.array(self.positions % ratio)]
+
+
+class StepAt:
+    """One token at the traced position ``pos`` (int32 scalar array), fixed shapes. ``cos``/``sin``
+    [1, n_rot/2]: the layer's RoPE tables at pos; ``wcos``/``wsin``: at the first position of the
+    compressor window holding pos (None on layers without one). Computed on the host, outside the
+    trace, with the same tables as ``ChunkAt``."""
+
+    fixed = True
+    L = 1
+
+    def __init__(self, pos: mx.array, cos: mx.array, sin: mx.array, wcos: mx.array | None = None,
+                 wsin: mx.array | None = None):
+        self.pos, self.cos, self.sin, self.wcos, self.wsin = pos, cos, sin, wcos, wsin
+
+    def tables(self, rope) -> tuple[mx.array, mx.array]:
+        return self.cos, self.sin
+
+    def inverse_tables(self, rope) -> tuple[mx.array, mx.array]:
+        return self.cos, -self.sin
+
+    def window_tables(self, rope, starts) -> tuple[mx.array, mx.array]:
+        return self.wcos, self.wsin
+
+    def ape(self, ape: mx.array, ratio: int) -> mx.array:
+        return mx.take(ape, (self.pos % ratio).reshape(1), axis=0)
+
+
+# -- one compressor lane ----------------------------------------------------------------------------
+
+
+class CompressorLane:
+    """A compressor's row buffer and canonical frontier (see the module docstring)."""
+
+    def __init__(self, ratio: int, dim: int, coff: int, rows: mx.array, kst: mx.array, gst: mx.array):
+        self.ratio, self.dim, self.coff = ratio, dim, coff
+        self.rows, self.kst, self.gst = rows, kst, gst
+        self.at: ChunkAt | StepAt | None = None
+
+    @classmethod
+    def empty(cls, ratio: int, dim: int, coff: int, capacity: int) -> "CompressorLane":
+        shape = (coff * ratio, coff * dim)
+        return cls(ratio, dim, coff, mx.zeros((capacity // ratio, dim), dtype=mx.float32),
+                   mx.zeros(shape, dtype=mx.float32), mx.full(shape, EMPTY_SCORE, dtype=mx.float32))
+
+    def copy(self) -> "CompressorLane":
+        return CompressorLane(self.ratio, self.dim, self.coff, self.rows, self.kst, self.gst)
+
+    def arrays(self) -> list[mx.array]:
+        return [self.rows, self.kst, self.gst]
+
+    def set_arrays(self, arrays: list[mx.array]) -> None:
+        self.rows, self.kst, self.gst = arrays
+
+    def state(self, n: int) -> list[mx.array]:
+        return [self.rows[: n // self.ratio], self.kst, self.gst]
+
+    def grow(self, capacity: int) -> None:
+        extra = capacity // self.ratio - self.rows.shape[0]
+        if extra > 0:
+            self.rows = mx.concatenate([self.rows, mx.zeros((extra, self.dim), dtype=mx.float32)], axis=0)
+
+    # -- the layout-dependent half of ``Compressor.__call__`` -----------------------------------------
+
+    def windows(self, k: mx.array, g: mx.array) -> tuple[mx.array, mx.array, np.ndarray | None] | None:
+        """Take this call's projections k, g [L, coff·dim] (g incl. APE) into the frontier, leave it
+        canonical, and return the windows to pool: (slot_k, slot_g [n, S, dim], first positions of
+        the windows or None for a step), or None when a chunk closes no window.
+
+        Slots: R = 128: the window's tokens; R = 4: (previous window r, this window r) interleaved
+        through the column halves [0, D) / [D, 2D), as ds4 accumulates them. A chunk returns every
+        window it completes; a step returns the open window (its row is provisional until closed).
+        """
+        if self.at.fixed:
+            return self._step_windows(k, g)
+        return self._chunk_windows(k, g)
+
+    def _chunk_windows(self, k, g):
+        R, D, W = self.ratio, self.dim, self.coff * self.dim
+        p0, L = self.at.p0, self.at.L
+        r0 = p0 % R
+        n_front = R + r0 if R == 4 else r0  # frontier rows in position order
+        seq_k = mx.concatenate([self.kst[:n_front], k], axis=0)
+        seq_g = mx.concatenate([self.gst[:n_front], g], axis=0)
+        n_emit = (r0 + L) // R
+        first = n_front - r0  # index in seq of the first token of the first open window
+
+        if R == 4:
+            # Frontier: the last complete window (or the untouched previous one) + the partial one.
+            new_k = [seq_k[4 * n_emit: 4 * n_emit + 4], seq_k[4 + 4 * n_emit:]]
+            new_g = [seq_g[4 * n_emit: 4 * n_emit + 4], seq_g[4 + 4 * n_emit:]]
+            n_rows_state = 8
+        else:
+            new_k, new_g = [seq_k[first + R * n_emit:]], [seq_g[first + R * n_emit:]]
+            n_rows_state = R
+        pad = n_rows_state - sum(a.shape[0] for a in new_k)
+        self.kst = mx.concatenate(new_k + [mx.zeros((pad, W), dtype=mx.float32)], axis=0)
+        self.gst = mx.concatenate(new_g + [mx.full((pad, W), EMPTY_SCORE, dtype=mx.float32)], axis=0)
+
+        if n_emit == 0:
+            return None
+        if R == 4:
+            cur_k = seq_k[4: 4 + 4 * n_emit].reshape(n_emit, 4, W)
+            cur_g = seq_g[4: 4 + 4 * n_emit].reshape(n_emit, 4, W)
+            prv_k = seq_k[: 4 * n_emit].reshape(n_emit, 4, W)
+            prv_g = seq_g[: 4 * n_emit].reshape(n_emit, 4, W)
+            slot_k = mx.stack([prv_k[..., :D], cur_k[..., D:]], axis=2).reshape(n_emit, 8, D)
+            slot_g = mx.stack([prv_g[..., :D], cur_g[..., D:]], axis=2).reshape(n_emit, 8, D)
+        else:
+            slot_k = seq_k[first: first + R * n_emit].reshape(n_emit, R, D)
+            slot_g = seq_g[first: first + R * n_emit].reshape(n_emit, R, D)
+        return slot_k, slot_g, R * (p0 // R + np.arange(n_emit))
+
+    def _step_windows(self, k, g):
+        R, D, W = self.ratio, self.dim, self.coff * self.dim
+        r = self.at.pos % R
+        row = (r + 4 if R == 4 else r).reshape(1)
+        kst = mx.slice_update(self.kst, k, row, axes=(0,))
+        gst = mx.slice_update(self.gst, g, row, axes=(0,))
+        if R == 4:
+            prv_k, cur_k = kst[None, :4], kst[None, 4:]
+            prv_g, cur_g = gst[None, :4], gst[None, 4:]
+            slot_k = mx.stack([prv_k[..., :D], cur_k[..., D:]], axis=2).reshape(1, 8, D)
+            slot_g = mx.stack([prv_g[..., :D], cur_g[..., D:]], axis=2).reshape(1, 8, D)
+        else:
+            slot_k, slot_g = kst.reshape(1, R, D), gst.reshape(1, R, D)
+        # On emission the window's rows leave the frontier (R = 4: they become the previous half).
+        emit = r == R - 1
+        if R == 4:
+            self.kst = mx.where(emit, mx.concatenate([kst[4:], mx.zeros((4, W), dtype=mx.float32)], axis=0), kst)
+            self.gst = mx.where(emit, mx.concatenate([gst[4:], mx.full((4, W), EMPTY_SCORE, dtype=mx.float32)],
+                                                     axis=0), gst)
+        else:
+            self.kst = mx.where(emit, mx.zeros_like(kst), kst)
+            self.gst = mx.where(emit, mx.full(gst.shape, EMPTY_SCORE, dtype=mx.float32), gst)
+        return slot_k, slot_g, None
+
+    def commit(self, rows: mx.array | None) -> mx.array:
+        """Store the pooled rows of ``windows`` and return the rows this call's queries may see:
+        a chunk: exactly the valid rows after it [n_new // R, dim] (built as before any buffer
+        existed: the previous rows followed by the emitted ones); a step: the whole buffer (the
+        caller masks rows >= (pos + 1) // R)."""
+        R = self.ratio
+        if self.at.fixed:
+            self.rows = mx.slice_update(self.rows, rows, (self.at.pos // R).reshape(1), axes=(0,))
+            return self.rows
+        prev = self.rows[: self.at.p0 // R]
+        if rows is None:
+            return prev
+        self.rows = mx.slice_update(self.rows, rows, mx.array([self.at.p0 // R]), axes=(0,))
+        return mx.concatenate([prev, rows], axis=0)
+
+
+# -- one layer --------------------------------------------------------------------------------------
+
+
+class LayerCache:
+    """The raw ring and the compressor / indexer lanes of one layer (module docstring)."""
+
+    def __init__(self, n_swa: int, ring: mx.array, attn: CompressorLane | None = None,
+                 index: CompressorLane | None = None, offset: int = 0):
+        self.n_swa, self.ring, self.attn, self.index, self.offset = n_swa, ring, attn, index, offset
+        self.at: ChunkAt | StepAt | None = None
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, il: int, capacity: int) -> "LayerCache":
+        r, coff = cfg.compress_ratio(il), cfg.coff(il)
+        return cls(cfg.n_swa, mx.zeros((cfg.n_swa, cfg.head_dim), dtype=mx.float32),
+                   CompressorLane.empty(r, cfg.head_dim, coff, capacity) if r else None,
+                   CompressorLane.empty(r, cfg.indexer_head_dim, coff, capacity) if r == 4 else None)
+
+    @property
+    def lanes(self) -> list[CompressorLane]:
+        return [lane for lane in (self.attn, self.index) if lane is not None]
+
+    def bind(self, at: ChunkAt | StepAt | None) -> None:
+        """Set where the next call runs (its positions) for the layer and its lanes."""
+        self.at = at
+        for lane in self.lanes:
+            lane.at = at
+
+    def copy(self) -> "LayerCache":
+        """An independent snapshot (arrays are immutable and every update rebinds, so sharing them
+        is safe and costs nothing)."""
+        return LayerCache(self.n_swa, self.ring, *(None if c is None else c.copy() for c in (self.attn, self.index)),
+                          offset=self.offset)
+
+    def arrays(self) -> list[mx.array]:
+        """The live buffers (ring, then each lane's rows / kst / gst): what a compiled step takes
+        and returns, what ``mx.eval`` needs."""
+        return [self.ring] + [a for lane in self.lanes for a in lane.arrays()]
+
+    def set_arrays(self, arrays: list[mx.array]) -> None:
+        self.ring = arrays[0]
+        for i, lane in enumerate(self.lanes):
+            lane.set_arrays(arrays[1 + 3 * i: 4 + 3 * i])
+
+    def view(self, arrays: list[mx.array], at: StepAt) -> "LayerCache":
+        """A cache of the same structure over ``arrays`` (inside a compiled step's trace)."""
+        out = self.copy()
+        out.set_arrays(arrays)
+        out.bind(at)
+        return out
+
+    def grow(self, capacity: int) -> None:
+        for lane in self.lanes:
+            lane.grow(capacity)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays())
+
+    # -- canonical state ------------------------------------------------------------------------------
+
+    def _window_slots(self, first: int, count: int) -> mx.array:
+        return mx.array((np.arange(first, first + count) % self.n_swa).astype(np.int32))
+
+    def raw_rows(self) -> mx.array:
+        """The last min(n, n_swa) raw rows, oldest first."""
+        n = self.offset
+        m = min(n, self.n_swa)
+        if not m:
+            return mx.zeros((0, self.ring.shape[1]), dtype=mx.float32)
+        return mx.take(self.ring, self._window_slots(n - m, m), axis=0)
+
+    @property
+    def state(self) -> list[mx.array]:
+        """The canonical arrays, in ``state_layout`` order."""
+        return [self.raw_rows()] + [a for lane in self.lanes for a in lane.state(self.offset)]
+
+    def _write_ring(self, ring: mx.array, rows: mx.array, first: int) -> mx.array:
+        """``rows`` (positions first.., at most n_swa of them) into their slots: two contiguous pieces."""
+        m, s0 = rows.shape[0], first % self.n_swa
+        head = min(m, self.n_swa - s0)
+        ring = mx.slice_update(ring, rows[:head], mx.array([s0]), axes=(0,))
+        if head < m:
+            ring = mx.slice_update(ring, rows[head:], mx.array([0]), axes=(0,))
+        return ring
+
+    @classmethod
+    def from_state(cls, cfg: ModelConfig, il: int, n: int, arrays: list[mx.array], capacity: int) -> "LayerCache":
+        """Layer ``il``'s cache after ``n`` tokens from its canonical arrays (``state``; shapes
+        checked by ``ModelCache.from_state``), with row buffers of ``capacity`` tokens."""
+        lc = cls.empty(cfg, il, capacity)
+        lc.set_state(n, arrays, capacity)
+        return lc
+
+    def set_state(self, n: int, arrays: list[mx.array], capacity: int) -> None:
+        """Rebuild the buffers from canonical arrays after ``n`` tokens (exact copies)."""
+        raw, rest = arrays[0], arrays[1:]
+        m = raw.shape[0]
+        ring = mx.zeros(self.ring.shape, dtype=mx.float32)
+        self.ring = self._write_ring(ring, raw, n - m) if m else ring
+        for i, lane in enumerate(self.lanes):
+            rows, kst, gst = rest[3 * i: 3 * i + 3]
+            buf = mx.zeros((capacity // lane.ratio, lane.dim), dtype=mx.float32)
+            lane.rows = mx.slice_update(buf, rows, mx.array([0]), axes=(0,)) if rows.shape[0] else buf
+            lane.kst, lane.gst = kst, gst
+        self.offset = n
+
+    # -- the layout-dependent half of ``Attention.__call__`` ------------------------------------------
+
+    def update_raw(self, kv: mx.array):
+        """Append this call's raw KV rows kv [L, D] and return what its queries attend to:
+        a chunk: (raw [n_prev + L, D] = the previous window oldest first ++ kv, n_prev), masked per
+        query by ``ops.raw_window``; a step: (keys [n_swa, D] at positions p-n_swa+1..p, mask
+        [1, n_swa]) with the slots of positions < 0 masked."""
+        at = self.at
+        if at.fixed:
+            pos = at.pos
+            ring = mx.slice_update(self.ring, kv, (pos % self.n_swa).reshape(1), axes=(0,))
+            j = mx.arange(self.n_swa, dtype=mx.int32)
+            self.ring = ring
+            return mx.take(ring, (pos + 1 + j) % self.n_swa, axis=0), (j >= self.n_swa - 1 - pos)[None]
+        prev = self.raw_rows()
+        raw = mx.concatenate([prev, kv], axis=0)
+        keep = raw[-self.n_swa:] if raw.shape[0] > self.n_swa else raw
+        self.ring = self._write_ring(self.ring, keep, at.p0 + at.L - keep.shape[0])
+        return raw, prev.shape[0]
+
+
+# -- the whole model ---------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelCache:
+    """The whole model's cache after ``n_tokens`` tokens (token ids and logits live in the session)."""
+
+    layers: list[LayerCache] = field(default_factory=list)
+    capacity: int = MIN_CAPACITY
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig) -> "ModelCache":
+        cap = capacity_for(0)
+        return cls([LayerCache.empty(cfg, il, cap) for il in range(cfg.n_layer)], cap)
+
+    @property
+    def n_tokens(self) -> int:
+        return self.layers[0].offset if self.layers else 0
+
+    def advance(self, n: int) -> None:
+        """Every layer has taken tokens up to ``n`` (the call's positions are unbound)."""
+        for lc in self.layers:
+            lc.offset = n
+            lc.bind(None)
+
+    def reserve(self, last_position: int) -> None:
+        """Grow the row buffers for a call whose last token is at ``last_position``."""
+        cap = capacity_for(last_position)
+        if cap > self.capacity:
+            for lc in self.layers:
+                lc.grow(cap)
+            self.capacity = cap
+
+    def copy(self) -> "ModelCache":
+        """An independent snapshot (cheap: see ``LayerCache.copy``)."""
+        return ModelCache([lc.copy() for lc in self.layers], self.capacity)
+
+    def arrays(self) -> list[mx.array]:
+        """Every live buffer (for ``mx.eval`` and memory accounting)."""
+        return [a for lc in self.layers for a in lc.arrays()]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays())
+
+    @property
+    def state_nbytes(self) -> int:
+        """Bytes of the canonical state (what a payload stores, what ds4's snapshot holds): raw
+        window, valid rows and frontiers; ``nbytes`` counts the buffers as allocated."""
+        n, total = self.n_tokens, 0
+        for lc in self.layers:
+            total += min(n, lc.n_swa) * lc.ring.shape[1] * 4
+            total += sum((n // lane.ratio * lane.dim + lane.kst.size + lane.gst.size) * 4 for lane in lc.lanes)
+        return total
+
+    # -- canonical state ------------------------------------------------------------------------------
+
+    @property
+    def state(self) -> list[mx.array]:
+        """The canonical arrays in ``state_layout`` order (exact; independent of the capacity)."""
+        return [a for lc in self.layers for a in lc.state]
+
+    def layout(self) -> list[StateArray]:
+        """``state_layout`` of this cache as it is (its lanes and shapes; no config needed)."""
+        out = []
+        for il, lc in enumerate(self.layers):
+            for i, a in enumerate(lc.state):
+                lane, fld = (0, 0) if i == 0 else (1 + (i - 1) // 3, (i - 1) % 3)
+                out.append(StateArray(il, lane, fld, tuple(a.shape)))
+        return out
+
+    @classmethod
+    def from_state(cls, cfg: ModelConfig, n_tokens: int, arrays: list[mx.array]) -> "ModelCache":
+        """Inverse of ``state``: canonical arrays (``state_layout(cfg, n_tokens)`` order and shapes,
+        checked) -> a cache with buffers of ``capacity_for`` the last position."""
+        layout = state_layout(cfg, n_tokens)
+        if len(arrays) != len(layout):
+            raise InferenceError(f"model state: {len(arrays)} arrays, expected {len(layout)}")
+        for spec, a in zip(layout, arrays):
+            if tuple(a.shape) != spec.shape:
+                raise InferenceError(f"model state: {spec.key!r} has shape {tuple(a.shape)}, expected {spec.shape}")
+        cap = capacity_for(max(n_tokens - 1, 0))
+        layers, i = [], 0
+        for il in range(cfg.n_layer):
+            k = sum(1 for spec in layout if spec.layer == il)
+            layers.append(LayerCache.from_state(cfg, il, n_tokens, arrays[i: i + k], cap))
+            i += k
+        cache = cls(layers, cap)
+        mx.eval(*cache.arrays())
+        return cache
+
+    def to_numpy(self) -> dict[str, np.ndarray]:
+        """Flat dict of float32 arrays (plus ``n_tokens``), keys ``layer.{il}.{raw|attn.rows|…}``."""
+        d: dict[str, np.ndarray] = {"n_tokens": np.array(self.n_tokens, dtype=np.int64)}
+        for spec, a in zip(self.layout(), self.state):
+            d[spec.key] = np.array(a, dtype=np.float32)
+        return d
+
+    @classmethod
+    def from_numpy(cls, cfg: ModelConfig, d: dict[str, np.ndarray]) -> "ModelCache":
+        """Inverse of ``to_numpy``; checks every shape against the config (``state_layout``)."""
+        if "n_tokens" not in d:
+            raise InferenceError("model state: 'n_tokens' is missing")
+        n = int(np.asarray(d["n_tokens"]))
+        if n < 0:
+            raise InferenceError(f"model state: n_tokens is {n}")
+        arrays = []
+        for spec in state_layout(cfg, n):
+            if spec.key not in d:
+                raise InferenceError(f"model state: array {spec.key!r} is missing")
+            a = np.asarray(d[spec.key])
+            if a.shape != spec.shape:
+                raise InferenceError(f"model state: {spec.key!r} has shape {a.shape}, expected {spec.shape}")
+            arrays.append(mx.array(a.astype(np.float32, copy=False)))
+        return cls.from_state(cfg, n, arrays)
