@@ -261,11 +261,13 @@ def _hostile_logits(gen, n):
     return out
 
 
-@pytest.mark.parametrize("prefix", [1, 3, 16, 1024])
-def test_prefix_sort_draws_like_full_sort(monkeypatch, prefix):
+@pytest.mark.parametrize("prefix,margin", [(1, 1.02), (3, 0.0), (16, 0.3), (1024, 1.02)])
+def test_prefix_sort_draws_like_full_sort(monkeypatch, prefix, margin):
     import ds4_mlx.engine.sampling as sampling
 
-    monkeypatch.setattr(sampling, "SORT_PREFIX", prefix)  # small: the prefix grows several times
+    # small prefixes and margins: guesses that miss the cut, so the fallback to the full sort runs too
+    monkeypatch.setattr(sampling, "SORT_PREFIX", prefix)
+    monkeypatch.setattr(sampling, "_MASS_MARGIN", margin)
     gen = np.random.default_rng(prefix)
     n = 5000
     grid = [SamplingParams(t, p, m, k) for t in (1.0, 0.05, 7.0) for p in (0.95, 0.5, 1e-6, 1.0)

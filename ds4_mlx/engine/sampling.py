@@ -95,8 +95,31 @@ def _filter_sorted(probs: np.ndarray, total: np.float32, top_p: float, min_p: fl
     return max(n, 1)
 
 
-# How many of the largest logits the top-p path sorts first (x4 while both cuts lie beyond them).
+# The fewest of the largest logits the top-p path sorts first.
 SORT_PREFIX = 1024
+# Margin on the top-p mass in the guess below (float64 bucket sums vs ds4's float32 running sum).
+_MASS_MARGIN = 1.02
+
+
+def _guess_prefix(probs: np.ndarray, total: np.float32, top_p: float, min_p: float) -> int:
+    """How many of the largest candidates probably hold the min-p / top-p cut (a guess only: the
+    caller checks it). Min-p keeps about the candidates with probs >= min_p (probs is 1 at the
+    maximum); top-p needs the candidates down to the power-of-two bucket of probs where the mass
+    of the buckets above reaches top_p of the total (one pass: exponent histogram weighted by
+    probs). The cut comes at the first of the two; one more candidate so it falls inside.
+    A very flat distribution needs most of the vocabulary: then everything."""
+    n = probs.size
+    k_min = int(np.count_nonzero(probs >= np.float32(min_p))) + 1 if min_p > 0.0 else n
+    if k_min <= SORT_PREFIX:
+        return SORT_PREFIX  # the usual peaked case: no need to look at the mass
+    # probs in [0, 1] (float32): 127 - the exponent field is 0 for 1.0, 1 for [0.5, 1), ..., 127 for
+    # zeros and subnormals
+    bucket = 127 - (np.ascontiguousarray(probs, dtype=np.float32).view(np.int32) >> 23)
+    mass = np.cumsum(np.bincount(bucket, weights=probs, minlength=128))
+    reach = np.flatnonzero(mass >= float(total) * top_p * _MASS_MARGIN)
+    k_top = int(np.count_nonzero(bucket <= reach[0])) + 1 if reach.size else n
+    k = max(SORT_PREFIX, min(k_min, k_top))
+    return n if 2 * k > n else k  # most of the vocabulary: partitioning first would only add cost
 
 
 def _sorted_prefix(vals: np.ndarray, k: int) -> np.ndarray:
@@ -154,13 +177,12 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: XorShiftRng) -> int:
         return best
     # ds4 sorts every candidate; only the prefix up to the min-p / top-p cut matters, which is
     # usually a few dozen tokens out of 129280 (a full stable argsort costs ~14 ms a token).
-    k = SORT_PREFIX
-    while True:
-        order = _sorted_prefix(vals, k)
-        n = _filter_sorted(probs[order], total, top_p, min_p, complete=order.size == vals.size)
-        if n is not None:
-            break
-        k *= 4
+    # Sort a guessed prefix that holds the cut; if the cut lies beyond it, sort everything.
+    order = _sorted_prefix(vals, _guess_prefix(probs, total, top_p, min_p))
+    n = _filter_sorted(probs[order], total, top_p, min_p, complete=order.size == vals.size)
+    if n is None:
+        order = _sorted_prefix(vals, vals.size)
+        n = _filter_sorted(probs[order], total, top_p, min_p)
     ids, probs = ids[order], probs[order]
     kept_total = np.add.accumulate(probs[:n], dtype=np.float32)[-1]
     hit = _draw(probs[:n], kept_total, rng)
