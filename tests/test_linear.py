@@ -276,7 +276,7 @@ def test_backend_decides_storage(backend):
     wd = quants.dequantize_rows(raw, GGMLType.Q8_0).astype(np.float64)
     np.testing.assert_allclose(y, x @ wd.T, rtol=0, atol=1e-5 * np.abs(x).sum(1, keepdims=True).max())
     if backend == "cpu":
-        assert w._dense is not None and w._affine is None
+        assert w._dense_t is not None and w._affine is None and w._dense is None
     else:  # mx.quantized_matmul on the affine form (it also runs on the CPU, slowly)
         assert w._affine is not None and w._dense is None
 
@@ -298,6 +298,21 @@ def test_default_matches_float64_matmul(qtype):
     wd = quants.dequantize_rows(raw, GGMLType.Q8_0) if qtype == GGMLType.Q8_0 else np.asarray(raw, np.float32)
     ref = x.astype(np.float64) @ wd.astype(np.float64).T
     np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.Q8_0, GGMLType.F16, GGMLType.F32])
+def test_cpu_transposed_operand_is_bit_identical(qtype):
+    # The CPU fast path multiplies the transposed copy (sgemm NN, faster for one token) instead of
+    # the row-major weight (sgemm NT): same packed panels, so the same bits for every chunk length.
+    rng = np.random.default_rng(11 + int(qtype))
+    out_dim, n_in = 1000, 96
+    wf = rng.standard_normal((out_dim, n_in)).astype(np.float32)
+    raw = {GGMLType.Q8_0: quants.quantize_q8_0(wf), GGMLType.F16: wf.astype(np.float16), GGMLType.F32: wf}[qtype]
+    w = dense(qtype, raw, n_in, backend="cpu")
+    assert np.array_equal(np.array(w.dense_t()), np.array(w.dense()).T)
+    for T in (1, 3, 64, 130):
+        x = mx.array(rng.standard_normal((T, n_in)).astype(np.float32))
+        assert np.array_equal(np.array(w(x)), np.array(mx.matmul(x, w.dense().T)))
 
 
 def test_rows_share_caches_and_match_parent():

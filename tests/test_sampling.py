@@ -176,3 +176,117 @@ def test_top_logprobs_matches_float64_softmax():
     for t in top:
         assert t.logprob == pytest.approx(want[t.id], abs=1e-6)
     assert token_logprob(x, 7).logprob == pytest.approx(want[7], abs=1e-6)
+
+
+# --- the partial sort: the same draws as the full stable argsort it replaced -------------------------
+
+
+def full_sort_sample(logits, params, rng):
+    """``sample`` as it was with a full stable argsort of the vocabulary (the oracle of the prefix sort)."""
+    from ds4_mlx.engine.sampling import TOP_K_CAP, _draw
+
+    def filter_sorted(probs, total, top_p, min_p):
+        rel = probs / total
+        min_prob = np.float32(rel[0] * np.float32(min_p))
+        below = np.flatnonzero(rel[1:] < min_prob)
+        n = int(below[0]) + 1 if below.size else probs.size
+        cums = np.add.accumulate(probs[:n], dtype=np.float32)
+        reach = np.flatnonzero(cums / total >= np.float32(top_p))
+        if reach.size:
+            n = min(n, int(reach[0]) + 1)
+        return max(n, 1)
+
+    x = np.asarray(logits, dtype=np.float32).reshape(-1)
+    T = float(params.temperature)
+    if T <= 0.0:
+        return argmax(x)
+    top_p = float(params.top_p)
+    if top_p <= 0.0 or top_p > 1.0:
+        top_p = 1.0
+    min_p = max(float(params.min_p), 0.0)
+    temp = np.float32(T)
+    finite = np.isfinite(x)
+    if not finite.any():
+        return argmax(x)
+    ids = np.flatnonzero(finite)
+    vals = x[ids]
+    if params.top_k > 0:
+        k = min(int(params.top_k), TOP_K_CAP, vals.size)
+        order = np.argsort(-vals, kind="stable")[:k]
+        ids, vals = ids[order], vals[order]
+        probs = np.exp((vals - vals[0]) / temp).astype(np.float32)
+        total = np.add.accumulate(probs, dtype=np.float32)[-1]
+        if not (total > 0 and np.isfinite(total)):
+            return int(ids[0])
+        n = filter_sorted(probs, total, top_p, min_p)
+        hit = _draw(probs[:n], np.add.accumulate(probs[:n], dtype=np.float32)[-1], rng)
+        return int(ids[hit if hit is not None else n - 1])
+    best = int(ids[np.argmax(vals)])
+    probs = np.exp((vals - x[best]) / temp).astype(np.float32)
+    if top_p >= 1.0:
+        keep = probs >= np.float32(min_p)
+        ids, probs = ids[keep], probs[keep]
+        total = np.add.accumulate(probs, dtype=np.float32)[-1] if probs.size else np.float32(0)
+        if not (total > 0 and np.isfinite(total)):
+            return best
+        hit = _draw(probs, total, rng)
+        return int(ids[hit]) if hit is not None else best
+    total = np.add.accumulate(probs, dtype=np.float32)[-1]
+    if not (total > 0 and np.isfinite(total)):
+        return best
+    order = np.argsort(-vals, kind="stable")
+    ids, probs = ids[order], probs[order]
+    n = filter_sorted(probs, total, top_p, min_p)
+    kept_total = np.add.accumulate(probs[:n], dtype=np.float32)[-1]
+    hit = _draw(probs[:n], kept_total, rng)
+    return int(ids[hit if hit is not None else n - 1])
+
+
+def _hostile_logits(gen, n):
+    """Logit vectors built to break a partial sort: ties at every cut, -inf/+inf/NaN, flat rows."""
+    base = (gen.standard_normal(n) * 3).astype(np.float32)
+    out = {"normal": base, "all_equal": np.full(n, 0.5, np.float32),
+           "coarse_ties": np.round(base).astype(np.float32),  # ~15 distinct values: ties everywhere
+           "flat_tail": np.where(np.arange(n) % 97 == 0, base, np.float32(-2.0)).astype(np.float32),
+           "peaked": np.where(np.arange(n) == n // 3, np.float32(40.0), base).astype(np.float32),
+           "signed_zeros": np.where(np.arange(n) % 2 == 0, np.float32(0.0), np.float32(-0.0)).astype(np.float32)}
+    holes = base.copy()
+    holes[gen.integers(0, n, n // 10)] = -np.inf
+    holes[gen.integers(0, n, 5)] = np.nan
+    out["inf_nan"] = holes
+    plus = base.copy()
+    plus[[7, 11]] = np.inf
+    out["plus_inf"] = plus  # +inf is not finite: dropped like -inf
+    out["nearly_flat"] = (np.float32(1.0) + gen.integers(0, 3, n).astype(np.float32) * np.float32(1e-7))
+    return out
+
+
+@pytest.mark.parametrize("prefix,margin", [(1, 1.02), (3, 0.0), (16, 0.3), (1024, 1.02)])
+def test_prefix_sort_draws_like_full_sort(monkeypatch, prefix, margin):
+    import ds4_mlx.engine.sampling as sampling
+
+    # small prefixes and margins: guesses that miss the cut, so the fallback to the full sort runs too
+    monkeypatch.setattr(sampling, "SORT_PREFIX", prefix)
+    monkeypatch.setattr(sampling, "_MASS_MARGIN", margin)
+    gen = np.random.default_rng(prefix)
+    n = 5000
+    grid = [SamplingParams(t, p, m, k) for t in (1.0, 0.05, 7.0) for p in (0.95, 0.5, 1e-6, 1.0)
+            for m in (0.05, 0.0, 1.0, 2.0) for k in (0, 1, 40, n, 10 * n)]
+    for name, logits in _hostile_logits(gen, n).items():
+        for i, params in enumerate(grid):
+            seed = 77 + i
+            rng_a, rng_b = XorShiftRng(seed), XorShiftRng(seed)
+            for _ in range(3):
+                got, want = sample(logits, params, rng_a), full_sort_sample(logits, params, rng_b)
+                assert got == want, (name, params)
+                assert rng_a.state == rng_b.state
+
+
+def test_top_logprobs_prefix_equals_full_sort():
+    gen = np.random.default_rng(3)
+    x = np.round(gen.standard_normal(3000) * 2).astype(np.float32)  # many ties
+    x[gen.integers(0, 3000, 50)] = -np.inf
+    for k in (1, 5, 20, 2999, 5000):
+        ids = np.flatnonzero(np.isfinite(x))
+        want = ids[np.argsort(-x[ids], kind="stable")[:k]]
+        assert [s.id for s in top_logprobs(x, k)] == [int(i) for i in want]

@@ -60,7 +60,12 @@ from ds4_mlx.model.rope import Rope
 
 
 class _RopeRows:
-    """cos/sin rows of one RoPE parameter set at single positions, computed a block at a time."""
+    """cos/sin rows of one RoPE parameter set at single positions, computed a block at a time.
+
+    The block's tables stay MLX arrays and a position's rows are slices of them (views, no copy),
+    memoised for the block: the layers sharing these parameters, and the steps after, reuse them
+    instead of creating two arrays from host data per layer and step.
+    """
 
     BLOCK = 256
 
@@ -68,15 +73,20 @@ class _RopeRows:
         self.rope, self.ops = rope, ops
         self._b0 = -1
         self._cos = self._sin = None
+        self._rows: dict[int, tuple[mx.array, mx.array]] = {}
 
     def at(self, p: int) -> tuple[mx.array, mx.array]:
         b0 = p - p % self.BLOCK
         if b0 != self._b0:
-            c, s = self.ops.rope_tables(self.rope, np.arange(b0, b0 + self.BLOCK))
-            self._cos, self._sin = np.array(c), np.array(s)
+            self._cos, self._sin = self.ops.rope_tables(self.rope, np.arange(b0, b0 + self.BLOCK))
+            mx.eval(self._cos, self._sin)
+            self._rows = {}
             self._b0 = b0
         i = p - b0
-        return mx.array(self._cos[i: i + 1]), mx.array(self._sin[i: i + 1])
+        rows = self._rows.get(i)
+        if rows is None:
+            rows = self._rows[i] = (self._cos[i: i + 1], self._sin[i: i + 1])
+        return rows
 
 
 def _rope_key(rope: Rope) -> tuple:

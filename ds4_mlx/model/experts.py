@@ -301,6 +301,14 @@ class ExpertWeights:
         the same order, so the GEMMs (and the bits) are those of the ungrouped call."""
         per_expert = self.shape[1] * self.shape[2] * 4
         group = max(1, DENSE_GROUP_BYTES // per_expert)
+        if uniq.size <= group and uniq.size == slot.size:
+            # One pair per expert (a decode step: one token's k distinct experts): the same
+            # [1, in] x [in, out] products as expert_matmul_dense, made in pair order, so no gather
+            # (and no index array from the host) undoes the grouping. mx.gather_mm measured slower
+            # here: it needs the selected experts stacked into one array, a copy per call.
+            ws = self.dense_experts(uniq)
+            return mx.concatenate([mx.matmul(x_rows[int(r)][None], ws[int(s)].T) for s, r in zip(slot, rows)],
+                                  axis=0)
         if uniq.size <= group:
             return metal_kernels.expert_matmul_dense(self.dense_experts(uniq), x_rows, slot, rows)
         pieces, pair_ids = [], []

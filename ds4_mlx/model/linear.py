@@ -20,7 +20,7 @@ Additions to that contract (all optional): ``backend=`` on both constructors (be
 ``backend`` (``Backend.CPU`` / ``Backend.METAL``; default ``default_backend()``: METAL when Metal is
 available and the default device is the GPU) decides how weights are kept for the DEFAULT mode:
 
-* CPU: every dense weight is dequantized to float32 once, lazily, and cached. MLX's CPU backend has
+* CPU: every dense weight is dequantized to float32 once, lazily, and cached, transposed (``dense_t``). MLX's CPU backend has
   exactly one fast matmul, the BLAS float32 GEMM; ``mx.quantized_matmul`` there is ~2x slower for one
   token and ~35x slower for a 64-token batch (Q8_0 1024x4096, measured on a 2-core x86 box).
 * METAL: Q8_0 weights become MLX affine 8-bit group-32 matrices (lossless, see ``q8_0_to_affine``) and are
@@ -187,6 +187,7 @@ class DenseWeight:
         self._parent = _parent
         self._row0 = _row0
         self._dense: mx.array | None = None
+        self._dense_t: mx.array | None = None
         self._affine: tuple[mx.array, mx.array, mx.array] | None = None
         self._blocks: mx.array | None = None
         self._ds4: Any = None
@@ -233,6 +234,31 @@ class DenseWeight:
                 w = np.asarray(self.raw, dtype=np.float32)
             self._dense = mx.array(w)
         return self._dense
+
+    def dense_t(self) -> mx.array:
+        """The weight transposed, float32 [in, out] and contiguous: the CPU backend's GEMM operand.
+
+        With W row-major, ``x @ W.T`` makes MLX call ``cblas_sgemm(NoTrans, Trans)``; OpenBLAS (0.3.21,
+        which has no GEMM-to-GEMV forwarding) runs that up to twice as slow for one token as
+        ``sgemm(NoTrans, NoTrans)`` on the transposed copy (the 129280x512 output head: 93 vs 50 ms on a
+        loaded 2-core box, the latter on par with ``cblas_sgemv``), and never faster for a chunk. Both
+        pack the operand into the same panels, so the products are bit-identical (``test_linear``).
+        Built a slab of rows at a time into the transposed buffer, so the peak is that of ``dense()``.
+        Row slices do not use it: a column slice of the transposed root is not contiguous, and MLX
+        would copy it on every call; they multiply the shared ``dense()`` as before.
+        """
+        if self._dense_t is None:
+            out_dim, n_in = self.shape
+            wt = np.empty((n_in, out_dim), dtype=np.float32)
+            step = max(1, (1 << 22) // n_in)  # rows per slab: a 16 MiB float32 temporary
+            for r0 in range(0, out_dim, step):
+                r1 = min(out_dim, r0 + step)
+                if self.qtype == GGMLType.Q8_0:
+                    wt[:, r0:r1] = dequantize_rows(self.raw[r0:r1], GGMLType.Q8_0).T
+                else:
+                    wt[:, r0:r1] = np.asarray(self.raw[r0:r1], dtype=np.float32).T
+            self._dense_t = mx.array(wt)
+        return self._dense_t
 
     def affine(self) -> tuple[mx.array, mx.array, mx.array]:
         """The Q8_0 weight in MLX's affine 8-bit group-32 form (see ``q8_0_to_affine``)."""
@@ -302,7 +328,9 @@ class DenseWeight:
         if self.backend is Backend.METAL and self.qtype == GGMLType.Q8_0:
             wq, scales, biases = self.affine()
             return mx.quantized_matmul(x2, wq, scales, biases, transpose=True, group_size=QK8_0, bits=8)
-        return mx.matmul(x2, self.dense().T)
+        if self._parent is not None:
+            return mx.matmul(x2, self.dense().T)
+        return mx.matmul(x2, self.dense_t())
 
     def _ds4_matmul(self, x2: mx.array) -> mx.array:
         if self.qtype == GGMLType.Q8_0:
