@@ -39,8 +39,11 @@ decode's up to rounding noise (``tests/test_compiled_decode.py`` measures it), a
 shapes depend only on the position, two sessions decoding the same tokens from the same state
 agree bit for bit.
 
-Metal: the expert kernels (``metal_kernels``) take the expert ids as array inputs, so there the
-routed experts could move into the traced functions as well; that is not done (nor measured) here.
+Device experts (``MoE.routes_on_device``, ``ds4_mlx.load(..., experts="device")``): routing and the
+routed experts are MLX ops on resident blocks, so ``layer_fn`` computes the whole layer (the FFN
+included, from the token id passed as an int32 array) and the step has no eager part: one graph per
+token, evaluated once (``step(..., evaluate=False)`` leaves even that to the caller, who can then
+read the sampled token as the step's only host sync).
 """
 
 from __future__ import annotations
@@ -108,7 +111,7 @@ def _finish_ffn(carry: list[mx.array], prev) -> mx.array:
 def _layer_body(block, prev, counter: _Counter):
     attn, ffn = block.attn, block.ffn
 
-    def body(carry, pos, tables, cache):
+    def body(carry, pos, tables, cache, token):
         counter.n += 1
         H = _finish_ffn(carry, prev)
         cos, sin, ccos, csin = tables if len(tables) == 4 else (*tables, None, None)
@@ -116,6 +119,8 @@ def _layer_body(block, prev, counter: _Counter):
         a, lc = attn.decode_step(x, pos, cos, sin, ccos, csin, _unflatten(cache))
         H = block.hc_attn.post(a, H, post, comb)
         x, post, comb = block.hc_ffn.pre(H)
+        if ffn.routes_on_device:  # the whole FFN in the trace: carry = [H]
+            return [block.hc_ffn.post(ffn(x, token), H, post, comb)], _flatten(lc)
         xn = ffn.ops.rms_norm(x, ffn.ffn_norm, ffn.eps)
         prob, choice = ffn.router_scores(xn)
         out = [H, xn, post, comb, prob, ffn.shared_expert(xn)]
@@ -173,10 +178,12 @@ class CompiledDecoder:
 
     # -- one step -----------------------------------------------------------------------------------
 
-    def step(self, token: int, cache: DecodeCache) -> mx.array:
+    def step(self, token: int, cache: DecodeCache, *, evaluate: bool = True) -> mx.array:
         """Feed ``token`` at position ``cache.n_tokens``; updates ``cache`` in place (evaluated) and
         returns the next-token logits [n_vocab], lazily: a caller that never reads them (all but the
-        last token of a decoded suffix) skips the output projection, as the chunk path does."""
+        last token of a decoded suffix) skips the output projection, as the chunk path does.
+        ``evaluate=False`` leaves the new cache arrays lazy too: the caller evaluates them with what
+        it reads (e.g. ``mx.depends(next_token, cache.arrays())``), one sync for the whole token."""
         p = cache.n_tokens
         cap = capacity_for(p)
         if cap > cache.capacity:
@@ -185,6 +192,7 @@ class CompiledDecoder:
             del grown
         pos = mx.array(p, dtype=mx.int32)
         tokens = np.array([token], dtype=np.int64)
+        token_arr = mx.array([token], dtype=mx.int32)
         model = self.model
         carry = [model.embed(tokens)]
         for il, block in enumerate(model.blocks):
@@ -193,15 +201,19 @@ class CompiledDecoder:
             tables = list(rows.at(p))
             if attn.ratio:
                 tables += list(rows.at(p - p % attn.ratio))
-            out, new_cache = self._layer_fns[il](carry, pos, tables, _flatten(cache.layers[il]))
+            out, new_cache = self._layer_fns[il](carry, pos, tables, _flatten(cache.layers[il]), token_arr)
             # drop the old buffers before anything is evaluated, so MLX may update them in place
             cache.layers[il] = _unflatten(new_cache)
             del new_cache
+            if ffn.routes_on_device:
+                carry = out
+                continue
             H, xn, post, comb, prob, shared = out[:6]
             sel = ffn.select(out[6] if len(out) > 6 else None, tokens)
             w = ffn.route_weights(prob, sel)
             carry = [ffn.routed_experts(xn, sel, w), shared, H, post, comb]
         logits = self._head_fn(carry)
         cache.n_tokens = p + 1
-        mx.eval(*cache.arrays())
+        if evaluate:
+            mx.eval(*cache.arrays())
         return logits

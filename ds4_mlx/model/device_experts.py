@@ -15,7 +15,7 @@ Two strategies run the routed experts (``ds4_mlx.load(path, experts=...)``):
 
 Cost of ``device``: the expert bytes are resident in MLX memory (on top of the mmap's page cache), i.e.
 the GGUF's routed-expert bytes, ``expert_bytes_resident``: ~80 GiB for DS4 Flash's 2-bit file, all of
-the tiny test model's ~150 MiB. On a GPU that is the price of having the weights where the arithmetic
+the tiny test model's ~10 MiB. On a GPU that is the price of having the weights where the arithmetic
 runs; on MLX's CPU backend it buys little (host and device share one memory and one set of cores, a
 host round trip costs microseconds) and doubles the expert memory, and the twin dequantizes the k
 selected experts on every step where the host strategy's LRU keeps them dequantized. So ``auto``
