@@ -243,3 +243,49 @@ def test_bench_model_json(tiny_model_path, experts):
     else:
         assert r["host_syncs_per_token"] > 1
         assert r["expert_bytes_resident"] == 0
+
+
+def test_compiled_step_traces_the_whole_device_layer(engines, monkeypatch):
+    """With device experts the routing runs inside the traced layer functions: after the first step
+    (the traces) no Python routing code runs per token; host experts route eagerly on every step."""
+    from ds4_mlx.model.moe import MoE
+
+    calls = []
+    real = MoE.select
+    monkeypatch.setattr(MoE, "select", lambda self, *a: (calls.append(1), real(self, *a))[1])
+    for name, per_step in (("device", 0), ("host", None)):
+        model = engines[name].network
+        r = model.new_session(ctx=64, compile=True)
+        r.prefill(list(range(3000, 3010)))
+        r.eval(11)  # traces (or not) once
+        calls.clear()
+        r.eval(12)
+        r.eval(13)
+        if per_step == 0:
+            assert not calls
+        else:
+            assert len(calls) == 2 * len(model.blocks)
+
+
+def test_device_kernel_launch_equals_the_tested_kernel_launch(engines):
+    """The Metal path of a device decode call launches the same matvec kernel, with the same inputs,
+    as ``expert_matvec_kernel`` (checked on the kernel shim in test_kernel_shim) given host ids."""
+    from kernel_shim import shim
+
+    from ds4_mlx.model import metal_kernels as mk
+
+    src = engines["device"].network.blocks[0].ffn.gate_exps
+    e = DeviceExpertWeights(src.name, src.qtype, src.raw, src.shape[2], use_kernels=True)
+    k = 4
+    ids = np.array([[3, 0, 7, 5]], dtype=np.int32)
+    x = mx.array(np.random.default_rng(1).standard_normal((1, 1, src.shape[2])).astype(np.float32))
+    got = shim.record(lambda: mx.eval(e(x, mx.array(ids))))
+    x_rows = mx.broadcast_to(x, (1, k, src.shape[2])).reshape(k, -1)
+    want = shim.record(lambda: mx.eval(mk.expert_matvec_kernel(e.blocks, e.qtype, x_rows, ids.reshape(-1),
+                                                               np.arange(k))))
+    assert len(got) == len(want) == 1
+    g, w = got[0], want[0]
+    assert g.kernel == w.kernel and g.template == w.template
+    assert (g.grid, g.threadgroup, g.output_shapes) == (w.grid, w.threadgroup, w.output_shapes)
+    for a, b in zip(g.inputs, w.inputs):
+        np.testing.assert_array_equal(a, b)
