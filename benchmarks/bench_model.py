@@ -33,7 +33,8 @@ Reported:
 ``decode_tps``, ``host_syncs_per_token`` and ``host_bytes_per_token`` (counted by ``host_traffic``
 around the timed decode loop: evaluations, reads and numpy conversions of MLX arrays; bytes copied
 to the host and handed from the host to MLX, plus expert slabs copied out of the mmap),
-``weight_bytes_per_token`` (GGUF bytes a decoded token's matmuls read: the dense weights, its
+``engine_host_syncs_per_token`` (the same count for the engine's ``Session`` loop, which evaluates
+the step and then copies the logits to numpy to sample on the host), ``weight_bytes_per_token`` (GGUF bytes a decoded token's matmuls read: the dense weights, its
 embedding row, k experts of each routed tensor), ``expert_bytes_resident`` (the device strategy's
 copy of the expert blocks), ``peak_rss_bytes`` (VmHWM). Its decode loop is the compiled step with the
 greedy choice on the device: ``step(evaluate=False)``, ``argmax`` of the logits made to depend on the
@@ -277,6 +278,21 @@ def greedy_decode(model, cache: DecodeCache, token: int, n: int) -> tuple[list[i
     return out, times
 
 
+def engine_loop_syncs(model, cache: DecodeCache, token: int, n: int) -> float:
+    """Host syncs per token of the engine's own loop (``Runner.eval`` then ``logits()`` to numpy and
+    a host argmax, as ``Session`` decodes) from the state in ``cache``, for comparison: it evaluates
+    the step, then copies the logits out, so it stays above the device-greedy loop's one."""
+    r = model.new_session(ctx=cache.n_tokens + n + 8, compile=True)
+    r.restore((cache.to_state(model.config), [0] * cache.n_tokens, None))
+    r.eval(token)  # the switch to the decode cache
+    token = int(np.argmax(r.logits()))
+    with HostTraffic() as t:
+        for _ in range(n):
+            r.eval(token)
+            token = int(np.argmax(r.logits()))
+    return t.syncs / n
+
+
 def measure(path, experts: str = "auto", n_prefill: int = 512, n_decode: int = 16, seed: int = 0,
             warmup: int = 2) -> dict:
     """The ``--json`` measurement (module docstring): load with ``experts``, a 16-token warm-up
@@ -303,6 +319,7 @@ def measure(path, experts: str = "auto", n_prefill: int = 512, n_decode: int = 1
     with HostTraffic() as traffic:
         _, times = greedy_decode(model, cache, chosen[-1], n_decode)
     slab_bytes = sum(e.bytes_read for e in experts_list) - read0
+    engine_syncs = engine_loop_syncs(model, cache, chosen[-1], n_decode)
     mem = memory()
     return {
         "model": str(path),
@@ -316,6 +333,7 @@ def measure(path, experts: str = "auto", n_prefill: int = 512, n_decode: int = 1
         "decode_ms_median": 1e3 * statistics.median(times),
         "host_syncs_per_token": traffic.syncs / n_decode,
         "host_syncs_by_kind": traffic.by_kind,
+        "engine_host_syncs_per_token": engine_syncs,
         "host_bytes_per_token": (traffic.host_bytes + slab_bytes) / n_decode,
         "weight_bytes_per_token": weight_bytes_per_token(model),
         "expert_bytes_resident": sum(getattr(e, "resident_nbytes", 0) for e in experts_list),
