@@ -233,6 +233,11 @@ def run(path: Path, args) -> int:
     # bytes per decoded token (counters of the last compiled run: n_dec tokens)
     d_bytes, d_params = dense_params(model)
     emb_row = cfg.n_embd * 2
+    if getattr(model, "expert_strategy", "host") == "device":
+        # the device strategy's compiled step routes inside the trace, where the counters run only
+        # while tracing: count what each token selects instead (k distinct experts per tensor)
+        for e in experts:
+            e.bytes_selected = n_dec * cfg.n_expert_used * e.expert_nbytes
     sel = sum(e.bytes_selected for e in experts) / n_dec
     read = sum(e.bytes_read for e in experts) / n_dec
     sel_f32 = sum(e.bytes_selected / e.expert_nbytes * e.shape[1] * e.shape[2] * 4 for e in experts) / n_dec
