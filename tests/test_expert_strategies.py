@@ -291,3 +291,19 @@ def test_device_kernel_launch_equals_the_tested_kernel_launch(engines):
     assert (g.grid, g.threadgroup, g.output_shapes) == (w.grid, w.threadgroup, w.output_shapes)
     for a, b in zip(g.inputs, w.inputs):
         np.testing.assert_array_equal(a, b)
+
+
+def test_ds4_cpu_numerics_are_identical_bits_with_either_strategy(tiny_model_path):
+    """ds4-cpu: the device strategy routes with the same exact top-k and multiplies through the same
+    integer-exact arithmetic (on blocks taken from its resident copy), so every bit agrees, on any
+    platform (the oracle test checks both against ds4 itself where the oracle's libm is)."""
+    out = {}
+    for experts in ("host", "device"):
+        m = ds4_mlx.load(tiny_model_path, numerics="ds4-cpu", experts=experts)
+        s = m.new_session(ctx=64)
+        s.sync([0, 4000, 4001, 4002, 4003, 9, 10, 11])
+        first = s.logits()
+        s.eval(12)
+        out[experts] = (first, s.logits())
+    for a, b in zip(out["host"], out["device"]):
+        np.testing.assert_array_equal(a, b)
