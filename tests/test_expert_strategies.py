@@ -135,6 +135,10 @@ def test_device_expert_call_range_checks_host_ids(engines):
         e(mx.zeros((1, 1, n_in)), np.array([[0, n_expert]]))
     with pytest.raises(LayoutError, match="does not fit"):
         e(mx.zeros((1, 1, n_in + 1)), mx.array([[0, 1]]))
+    with pytest.raises(LayoutError, match="must be integers"):
+        e(mx.zeros((1, 1, n_in)), mx.array([[0.5, 1.0]]))
+    with pytest.raises(LayoutError, match=r"must be \[T, k\]"):
+        e(mx.zeros((1, 1, n_in)), mx.array([0, 1]))
 
 
 # -- host syncs of a decode step --------------------------------------------------------------------

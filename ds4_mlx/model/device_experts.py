@@ -131,6 +131,8 @@ class DeviceExpertWeights(ExpertWeights):
             ids = mx.array(ids_np.astype(np.int32))
         if ids.ndim != 2:
             raise LayoutError(f"tensor {self.name!r}: expert ids must be [T, k], got shape {tuple(ids.shape)}")
+        if not mx.issubdtype(ids.dtype, mx.integer):
+            raise LayoutError(f"tensor {self.name!r}: expert ids must be integers, got {ids.dtype}")
         T, k = ids.shape
         if x.ndim != 3 or x.shape[0] != T or x.shape[1] not in (1, k) or x.shape[2] != n_in:
             raise LayoutError(f"tensor {self.name!r}: input shape {tuple(x.shape)} does not fit ids {(T, k)} "
