@@ -5,6 +5,8 @@ decode, weight bytes per decoded token, peak memory.
     python scripts/make_tiny_model.py --preset medium --out /tmp/medium.gguf     # 9.5 GB, ~2 min
     python benchmarks/bench_model.py --model /tmp/medium.gguf --prefill 512 2048 --decode 8
 
+    python benchmarks/bench_model.py --experts device --json          # one JSON object (below)
+
 Model: ``--model PATH``, else ``$DS4_MLX_TINY_MODEL``, else a tiny model
 is generated into a temp dir (deleted at exit). Tokens are random ids (seeded): the cost of a step
 does not depend on which ids, only (through routing) on which experts they pick.
@@ -23,11 +25,27 @@ Reported:
   misses), and the bytes the CPU backend's matmuls stream (float32: 4 bytes per parameter);
 * VmHWM (peak RSS) and VmRSS (anonymous / file-backed) and MLX's active and peak bytes after load,
   warm-up, prefill and decode.
+
+``--experts device|host|auto`` picks the routed-expert strategy (``ds4_mlx.load(experts=...)``).
+
+``--json`` measures the decode step's structure instead and prints one JSON object (``measure``):
+``strategy``, ``backend``, ``prefill_tps`` (one cold prefill of the first ``--prefill`` length),
+``decode_tps``, ``host_syncs_per_token`` and ``host_bytes_per_token`` (counted by ``host_traffic``
+around the timed decode loop: evaluations, reads and numpy conversions of MLX arrays; bytes copied
+to the host and handed from the host to MLX, plus expert slabs copied out of the mmap),
+``engine_host_syncs_per_token`` (the same count for the engine's ``Session`` loop, which evaluates
+the step and then copies the logits to numpy to sample on the host), ``weight_bytes_per_token`` (GGUF bytes a decoded token's matmuls read: the dense weights, its
+embedding row, k experts of each routed tensor), ``expert_bytes_resident`` (the device strategy's
+copy of the expert blocks), ``peak_rss_bytes`` (VmHWM). Its decode loop is the compiled step with the
+greedy choice on the device: ``step(evaluate=False)``, ``argmax`` of the logits made to depend on the
+new cache arrays, and the token's ``.item()`` -- the one read the host cannot avoid. So the device
+strategy measures 1 sync per token, and the host strategy 1 plus one per routed (non-hash) layer.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -40,8 +58,12 @@ import mlx.core as mx
 import numpy as np
 
 from ds4_mlx.formats.ggml_types import GGMLType
+from ds4_mlx.model.cache import ModelCache
+from ds4_mlx.model.device_experts import gpu_backend
 from ds4_mlx.model.experts import ExpertWeights
 from ds4_mlx.synth import benchmark_model_path
+
+from host_traffic import HostTraffic
 
 GIB = float(1 << 30)
 MIB = float(1 << 20)
@@ -127,7 +149,17 @@ def main(argv: list[str] | None = None) -> int:
                                                             "(default 32 tiny, 6 otherwise)")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of uncompiled / compiled decode")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--experts", choices=("auto", "device", "host"), default="auto",
+                    help="routed-expert strategy (device: blocks resident, routing on the device)")
+    ap.add_argument("--json", action="store_true",
+                    help="print one JSON object: t/s, host syncs and bytes per decoded token, memory")
     args = ap.parse_args(argv)
+    if args.json:
+        with tempfile.TemporaryDirectory(prefix="ds4-bench-model-") as tmpdir:
+            path = benchmark_model_path(args.model, Path(tmpdir))
+            n_prefill = (args.prefill or [512])[0]
+            print(json.dumps(measure(path, args.experts, n_prefill, args.decode or 16, args.seed)))
+        return 0
 
     with tempfile.TemporaryDirectory(prefix="ds4-bench-model-") as tmpdir:
         path = benchmark_model_path(args.model, Path(tmpdir))
@@ -137,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(path: Path, args) -> int:
     mem0 = memory()
     t0 = time.perf_counter()
-    model = ds4_mlx.load(path, numerics="default").network
+    model = ds4_mlx.load(path, numerics="default", experts=args.experts).network
     cfg = model.config
     t_load = time.perf_counter() - t0
     tiny = cfg.n_embd < 1024
@@ -201,6 +233,11 @@ def run(path: Path, args) -> int:
     # bytes per decoded token (counters of the last compiled run: n_dec tokens)
     d_bytes, d_params = dense_params(model)
     emb_row = cfg.n_embd * 2
+    if getattr(model, "expert_strategy", "host") == "device":
+        # the device strategy's compiled step routes inside the trace, where the counters run only
+        # while tracing: count what each token selects instead (k distinct experts per tensor)
+        for e in experts:
+            e.bytes_selected = n_dec * cfg.n_expert_used * e.expert_nbytes
     sel = sum(e.bytes_selected for e in experts) / n_dec
     read = sum(e.bytes_read for e in experts) / n_dec
     sel_f32 = sum(e.bytes_selected / e.expert_nbytes * e.shape[1] * e.shape[2] * 4 for e in experts) / n_dec
@@ -216,6 +253,98 @@ def run(path: Path, args) -> int:
     print(f"  CPU float32 bytes streamed         {(4 * d_params + emb_row + sel_f32) / MIB:10.1f} MiB "
           f"= {(4 * d_params + emb_row + sel_f32) / active:.2f}x the active GGUF bytes")
     return 0
+
+
+def weight_bytes_per_token(model) -> int:
+    """GGUF bytes a decoded token's matmuls read: every dense matmul weight, its embedding row, and
+    k experts of each routed-expert tensor."""
+    cfg = model.config
+    d_bytes, _ = dense_params(model)
+    return d_bytes + cfg.n_embd * 2 + sum(cfg.n_expert_used * e.expert_nbytes for e in experts_of(model))
+
+
+def backend_name() -> str:
+    """"metal" / "cuda" when MLX runs on that GPU, else "cpu"."""
+    return gpu_backend() or "cpu"
+
+
+def greedy_decode(model, cache: ModelCache, token: int, n: int) -> tuple[list[int], list[float]]:
+    """n compiled decode steps from ``cache`` with the greedy choice on the device; one host read per
+    token (the chosen id), the cache arrays evaluated with it. Returns (tokens chosen, seconds/step)."""
+    dec = model.decoder()
+    out, times = [], []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        logits = dec.step(token, cache, evaluate=False)
+        nxt = mx.depends(mx.argmax(logits), cache.arrays())
+        token = nxt.item()
+        times.append(time.perf_counter() - t0)
+        out.append(token)
+    return out, times
+
+
+def engine_loop_syncs(model, cache: ModelCache, token: int, n: int) -> float:
+    """Host syncs per token of the engine's own loop (``Runner.eval`` then ``logits()`` to numpy and
+    a host argmax, as ``Session`` decodes) from the state in ``cache``, for comparison: it evaluates
+    the step, then copies the logits out, so it stays above the device-greedy loop's one."""
+    r = model.new_session(ctx=cache.n_tokens + n + 8, compile=True)
+    r.restore((cache, [0] * cache.n_tokens, None))  # restore copies the cache
+    r.eval(token)  # the first step's traces
+    token = int(np.argmax(r.logits()))
+    with HostTraffic() as t:
+        for _ in range(n):
+            r.eval(token)
+            token = int(np.argmax(r.logits()))
+    return t.syncs / n
+
+
+def measure(path, experts: str = "auto", n_prefill: int = 512, n_decode: int = 16, seed: int = 0,
+            warmup: int = 2) -> dict:
+    """The ``--json`` measurement (module docstring): load with ``experts``, a 16-token warm-up
+    prefill (first-use weight dequantization), one timed cold prefill of ``n_prefill`` random tokens, ``warmup`` untimed decode steps (the traces), then ``n_decode``
+    timed steps with host traffic counted."""
+    engine = ds4_mlx.load(path, numerics="default", experts=experts)
+    model = engine.network
+    cfg = model.config
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, cfg.n_vocab, size=n_prefill).astype(np.int64)
+    timed_prefill(model, tokens[:16], compile=False)  # first-use dequantization of the dense weights
+    runner = model.new_session(ctx=n_prefill + warmup + n_decode + 8, compile=True)
+    t0 = time.perf_counter()
+    runner.prefill(tokens)
+    first = int(np.argmax(runner.logits()))
+    t_prefill = time.perf_counter() - t0
+    cache = runner.state  # the live cache: the runner is dropped next
+    del runner
+    chosen, _ = greedy_decode(model, cache, first, warmup)
+    dec = model.decoder()
+    traces0 = dec.traces
+    experts_list = experts_of(model)
+    read0 = sum(e.bytes_read for e in experts_list)
+    with HostTraffic() as traffic:
+        _, times = greedy_decode(model, cache, chosen[-1], n_decode)
+    slab_bytes = sum(e.bytes_read for e in experts_list) - read0
+    engine_syncs = engine_loop_syncs(model, cache, chosen[-1], n_decode)
+    mem = memory()
+    return {
+        "model": str(path),
+        "strategy": engine.experts,
+        "backend": backend_name(),
+        "numerics": engine.numerics,
+        "prefill_tokens": int(n_prefill),
+        "prefill_tps": n_prefill / t_prefill,
+        "decode_tokens": int(n_decode),
+        "decode_tps": n_decode / sum(times),
+        "decode_ms_median": 1e3 * statistics.median(times),
+        "host_syncs_per_token": traffic.syncs / n_decode,
+        "host_syncs_by_kind": traffic.by_kind,
+        "engine_host_syncs_per_token": engine_syncs,
+        "host_bytes_per_token": (traffic.host_bytes + slab_bytes) / n_decode,
+        "weight_bytes_per_token": weight_bytes_per_token(model),
+        "expert_bytes_resident": sum(getattr(e, "resident_nbytes", 0) for e in experts_list),
+        "traces_during_timed": dec.traces - traces0,
+        "peak_rss_bytes": mem.get("VmHWM"),
+    }
 
 
 if __name__ == "__main__":

@@ -57,7 +57,11 @@ def load(path_or_repo, numerics: str = "default", **kwargs):
     ``.config``, ``.apply_chat_template``, ``.new_session``; the network is ``.network``.
 
     ``path_or_repo``: a local path or ``hf:REPO/FILE`` (resolved by ``ds4_mlx.hub``).
-    ``numerics``: "default" or "ds4-cpu"; ``kwargs`` go to ``ds4_mlx.model.loader.load``.
+    ``numerics``: "default" or "ds4-cpu"; ``kwargs`` go to ``ds4_mlx.model.loader.load``, among
+    them ``experts``: "device" (the raw expert blocks held in MLX memory, ~80 GiB resident for the
+    2-bit DS4 Flash, routing on the device: a decode step has no host round trip), "host" (routing in
+    numpy, slabs read out of the mmap on demand) or "auto" (default: device on a GPU, host on the
+    CPU, where device only doubles the expert memory). A bad value raises a one-line ``LayoutError``.
     """
     from ds4_mlx.engine.engine import Engine
 

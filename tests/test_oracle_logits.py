@@ -33,10 +33,13 @@ from oracle_golden import Logits, golden_json, rms as _rms
 
 CASES = ("raw_short", "chat_nothink", "dev_long")
 MODES = ("ds4-cpu", "default")
+# Both routed-expert strategies (``ds4_mlx.load(experts=...)``) are held to the same bands and the
+# same exactness: they select the same experts and, in ds4-cpu, share the integer-exact arithmetic.
+EXPERTS = ("host", "device")
 EXACT_PLATFORM = platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64") \
     and platform.libc_ver()[0] == "glibc"
 
-_runs: dict[tuple[str, str], dict] = {}
+_runs: dict[tuple[str, str, str], dict] = {}
 
 
 def _band(case: str) -> tuple[float, float, float]:
@@ -46,19 +49,20 @@ def _band(case: str) -> tuple[float, float, float]:
 
 @pytest.fixture(scope="module")
 def models(tiny_model_path):
-    return {mode: ds4_mlx.load(tiny_model_path, numerics=mode).network for mode in MODES}
+    return {(mode, experts): ds4_mlx.load(tiny_model_path, numerics=mode, experts=experts).network
+            for mode in MODES for experts in EXPERTS}
 
 
 @pytest.fixture(scope="module")
 def run(models):
-    """Teacher-forced logits per (case, mode), computed once per module."""
+    """Teacher-forced logits per (case, mode, experts), computed once per module."""
 
-    def get(case: str, mode: str) -> dict:
-        key = (case, mode)
+    def get(case: str, mode: str, experts: str) -> dict:
+        key = (case, mode, experts)
         if key not in _runs:
             g = golden_json(case)
             full = Logits(case)
-            s = models[mode].new_session(ctx=4096)
+            s = models[(mode, experts)].new_session(ctx=4096)
             s.prefill(g["prompt_tokens"])
             logits = [s.logits()]
             for tok in g["greedy_generated"]:
@@ -70,10 +74,11 @@ def run(models):
     return get
 
 
+@pytest.mark.parametrize("experts", EXPERTS)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case", CASES)
-def test_step0_argmax(run, case, mode):
-    r = run(case, mode)
+def test_step0_argmax(run, case, mode, experts):
+    r = run(case, mode, experts)
     g, got, full = r["golden"], r["logits"][0], r["full"]
     i = full.steps.index(0)
     ref = full.approx[i]
@@ -88,10 +93,11 @@ def test_step0_argmax(run, case, mode):
         assert int(np.argmax(got)) in top, f"argmax {int(np.argmax(got))} not in ds4's top 3 {top}"
 
 
+@pytest.mark.parametrize("experts", EXPERTS)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case", CASES)
-def test_full_logit_rows(run, case, mode):
-    r = run(case, mode)
+def test_full_logit_rows(run, case, mode, experts):
+    r = run(case, mode, experts)
     band, cap, _ = _band(case)
     full = r["full"]
     assert full.steps == r["golden"]["full_logits"]["steps"]
@@ -101,11 +107,12 @@ def test_full_logit_rows(run, case, mode):
     assert max(rms) <= cap, f"worst step rms {max(rms):.4f} ({rms})"
 
 
+@pytest.mark.parametrize("experts", EXPERTS)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case", CASES)
-def test_top20_every_step(run, case, mode):
+def test_top20_every_step(run, case, mode, experts):
     """Logits and logprobs of ds4's top-20 ids at every teacher-forced step."""
-    r = run(case, mode)
+    r = run(case, mode, experts)
     band, _, cap = _band(case)
     rms_logit, rms_lp = [], []
     for k, step in enumerate(r["golden"]["steps"]):
@@ -120,9 +127,10 @@ def test_top20_every_step(run, case, mode):
 
 
 @pytest.mark.skipif(not EXACT_PLATFORM, reason="bit-exact reproduction needs glibc's libm on x86_64")
+@pytest.mark.parametrize("experts", EXPERTS)
 @pytest.mark.parametrize("case", CASES)
-def test_ds4_cpu_reproduces_every_logit_exactly(run, case):
-    r = run(case, "ds4-cpu")
+def test_ds4_cpu_reproduces_every_logit_exactly(run, case, experts):
+    r = run(case, "ds4-cpu", experts)
     differ = r["full"].exact_mismatches({k: r["logits"][k] for k in r["full"].steps})
     assert not differ, "\n".join(differ)
     for k, step in enumerate(r["golden"]["steps"]):

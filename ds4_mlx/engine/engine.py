@@ -91,6 +91,11 @@ class Engine:
         return self.network.numerics.value
 
     @property
+    def experts(self) -> str:
+        """The routed-expert strategy the model was loaded with: "device" or "host"."""
+        return getattr(self.network, "expert_strategy", "host")
+
+    @property
     def context_length(self) -> int:
         return self.network.config.context_length
 
@@ -136,7 +141,7 @@ class Engine:
 
         cfg = self.config
         return (f"Engine(path={str(self.path)!r}, size={human_bytes(file_size(self.path))}, layers={cfg.n_layer}, "
-                f"experts={cfg.n_expert}/{cfg.n_expert_used}, numerics={self.numerics!r}, "
+                f"experts={cfg.n_expert}/{cfg.n_expert_used} ({self.experts}), numerics={self.numerics!r}, "
                 f"vocab={cfg.n_vocab}, context_max={cfg.context_length})")
 
     def _repr_html_(self) -> str:

@@ -141,11 +141,23 @@ def check_ctx(text: str, name: str) -> int:
     return check_number(text, name, int, **_CTX_RANGE)
 
 
+EXPERT_STRATEGIES = ("auto", "device", "host")
+
+
 def add_model_options(p: argparse.ArgumentParser) -> None:
-    """``-m/--model`` (required) and ``--numerics``: every command that loads the weights."""
+    """``-m/--model`` (required), ``--numerics`` and ``--experts``: every command that loads the weights."""
     p.add_argument("-m", "--model", required=True, help="DS4 Flash GGUF file")
     p.add_argument("--numerics", choices=["default", "ds4-cpu"], default="default",
                    help="arithmetic: fast path, or ds4's CPU reference arithmetic")
+    add_experts_option(p)
+
+
+def add_experts_option(p: argparse.ArgumentParser) -> None:
+    """``--experts auto|device|host``: the routed-expert strategy (``ds4_mlx.load(experts=...)``)."""
+    p.add_argument("--experts", choices=EXPERT_STRATEGIES, default="auto",
+                   help="routed experts: device (blocks resident in GPU memory, routing on the device), "
+                        "host (routing on the CPU, slabs read from the mmap); auto = device on a GPU, "
+                        "host on the CPU (default)")
 
 
 def add_system_option(p: argparse.ArgumentParser) -> None:

@@ -118,7 +118,7 @@ def run(args) -> int:
     if not Path(args.model).is_file():
         raise UsageError(f"-m {args.model}: no such model file")
 
-    engine = Engine.open(args.model, numerics=args.numerics)
+    engine = Engine.open(args.model, numerics=args.numerics, experts=args.experts)
     context_length = engine.context_length
     if n["ctx_max"] + n["gen"] > context_length:
         raise UsageError(f"--ctx-max + --gen = {n['ctx_max'] + n['gen']} exceeds the model's context of "

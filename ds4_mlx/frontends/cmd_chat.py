@@ -99,7 +99,7 @@ def register(sub) -> None:
 def run(args) -> int:
     from ds4_mlx.engine.engine import Engine
 
-    engine = Engine.open(args.model, numerics=args.numerics)
+    engine = Engine.open(args.model, numerics=args.numerics, experts=args.experts)
     if args.ctx > engine.context_length:
         raise ChatCommandError(f"--ctx {args.ctx} is larger than the model's context length {engine.context_length}")
     repl = ChatRepl(engine, args, stdin=sys.stdin, stdout=sys.stdout, stderr=sys.stderr)

@@ -139,7 +139,7 @@ def _run(args, text: str, cancel) -> int:
     from ds4_mlx.engine.generate import stream_generate
     from ds4_mlx.frontends.cli import EXIT_INTERRUPTED
 
-    engine = Engine.open(args.model, numerics=args.numerics)
+    engine = Engine.open(args.model, numerics=args.numerics, experts=args.experts)
     if cancel.is_set():  # Ctrl-C while the model was loading: nothing generated, no stats to print
         print("ds4-mlx: interrupted while loading the model", file=sys.stderr)
         return EXIT_INTERRUPTED

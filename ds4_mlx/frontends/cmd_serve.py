@@ -21,7 +21,7 @@ import os
 
 from ds4_mlx.chat.template import DEFAULT_CTX
 from ds4_mlx.errors import Ds4Error
-from ds4_mlx.frontends.args import CTX, ranged
+from ds4_mlx.frontends.args import CTX, add_experts_option, ranged
 
 
 def register(subparsers) -> None:
@@ -35,6 +35,7 @@ def register(subparsers) -> None:
                    help=f"context size in tokens (default {DEFAULT_CTX})")
     p.add_argument("--numerics", choices=["default", "ds4-cpu"], default="default",
                    help="arithmetic: fast path, or ds4's CPU reference arithmetic")
+    add_experts_option(p)
     p.add_argument("--model-id", default="deepseek-v4-flash", help="model id served (default %(default)s)")
     p.add_argument("--kv-disk-dir", default=None, help="directory of the disk KV cache (off by default)")
     p.add_argument("--kv-disk-space-mb", type=int, default=None, help="disk KV cache budget in MiB")
@@ -90,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
     _check(args)
     from ds4_mlx.frontends.server import EngineBackend, ServerConfig, create_app
 
-    backend = EngineBackend(args.model, ctx=args.ctx, numerics=args.numerics, kv_disk_dir=args.kv_disk_dir,
+    backend = EngineBackend(args.model, ctx=args.ctx, numerics=args.numerics, experts=args.experts,
+                            kv_disk_dir=args.kv_disk_dir,
                             kv_disk_space_mb=args.kv_disk_space_mb, sessions=args.sessions,
                             sessions_mb=args.sessions_mb,
                             max_queue=args.max_queue, model_id=args.model_id)

@@ -43,8 +43,11 @@ decode's up to rounding noise (``tests/test_compiled_decode.py`` measures it), a
 shapes depend only on the position, two sessions decoding the same tokens from the same state
 agree bit for bit.
 
-Metal: the expert kernels (``metal_kernels``) take the expert ids as array inputs; a MoE strategy
-that routes on the device sets ``routes_on_device`` and its layers compile whole (see above).
+Device experts (``MoE.routes_on_device``, ``ds4_mlx.load(..., experts="device")``): routing and the
+routed experts are MLX ops on resident blocks, so each layer's function is the whole ``Block.__call__``
+(from the token id passed as an int32 array) and the step has no eager part: one graph per token,
+evaluated once (``step(..., evaluate=False)`` leaves even that to the caller, who can then read the
+sampled token as the step's only host sync).
 """
 
 from __future__ import annotations
@@ -181,10 +184,12 @@ class CompiledDecoder:
 
     # -- one step -----------------------------------------------------------------------------------
 
-    def step(self, token: int, cache: ModelCache) -> mx.array:
+    def step(self, token: int, cache: ModelCache, *, evaluate: bool = True) -> mx.array:
         """Feed ``token`` at position ``cache.n_tokens``; updates ``cache`` in place (evaluated) and
         returns the next-token logits [n_vocab], lazily: a caller that never reads them (all but the
-        last token of a decoded suffix) skips the output projection, as the chunk path does."""
+        last token of a decoded suffix) skips the output projection, as the chunk path does.
+        ``evaluate=False`` leaves the new cache arrays lazy too: the caller evaluates them with what
+        it reads (e.g. ``mx.depends(next_token, cache.arrays())``), one sync for the whole token."""
         p = cache.n_tokens
         cache.reserve(p)
         pos = mx.array(p, dtype=mx.int32)
@@ -211,5 +216,6 @@ class CompiledDecoder:
             del arrays
         logits = self._head_fn(carry)
         cache.advance(p + 1)
-        mx.eval(*cache.arrays())
+        if evaluate:
+            mx.eval(*cache.arrays())
         return logits

@@ -18,6 +18,7 @@ from ds4_mlx.formats.gguf import GGUFFile
 from ds4_mlx.formats.layout import load_model_file
 from ds4_mlx.model.attention import Attention
 from ds4_mlx.model.compressor import Compressor
+from ds4_mlx.model.device_experts import DeviceExpertWeights, resolve_strategy
 from ds4_mlx.model.experts import ExpertWeights
 from ds4_mlx.model.hyper_connection import HyperConnection, OutputHC
 from ds4_mlx.model.indexer import Indexer
@@ -44,9 +45,10 @@ def parse_numerics(numerics: str | Numerics) -> Numerics:
 class _Weights:
     """Name-checked access to the GGUF tensors."""
 
-    def __init__(self, f: GGUFFile, backend: str | None = None):
+    def __init__(self, f: GGUFFile, backend: str | None = None, experts: str = "host"):
         self.f = f
         self.kw = {} if backend is None else {"backend": backend}
+        self.expert_cls = DeviceExpertWeights if experts == "device" else ExpertWeights
 
     def has(self, name: str) -> bool:
         return name in self.f.tensors
@@ -69,7 +71,7 @@ class _Weights:
     def experts(self, name: str) -> ExpertWeights:
         if name not in self.f.tensors:
             raise LayoutError(f"{self.f.path}: tensor {name!r} is missing")
-        return ExpertWeights.from_gguf(self.f, name, **self.kw)
+        return self.expert_cls.from_gguf(self.f, name, **self.kw)
 
 
 def _block(cfg: ModelConfig, w: _Weights, il: int, ops: DefaultOps) -> Block:
@@ -132,16 +134,25 @@ def _block(cfg: ModelConfig, w: _Weights, il: int, ops: DefaultOps) -> Block:
     return Block(il, hc("attn"), attn, hc("ffn"), ffn)
 
 
-def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend: str | None = None) -> Model:
+def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend: str | None = None,
+         experts: str = "auto") -> Model:
     """Open a DS4 Flash GGUF (mmap) and build the model; raises a Ds4Error subclass on bad input.
 
     ``numerics``: "default" (fast path) or "ds4-cpu" (ds4.c's CPU reference arithmetic).
     ``backend``: where the default-mode matmuls run ("cpu" / "metal"; None = MLX's default device).
+    ``experts``: the routed-expert strategy (``model.device_experts``). "host": routing in numpy,
+    slabs copied out of the mmap, a dequantized-expert LRU (small resident memory). "device": every
+    expert's raw blocks copied into MLX memory at load (the GGUF's routed-expert bytes stay resident,
+    ~80 GiB for the 2-bit DS4 Flash) and routing on the device, so a decode step has no host break.
+    "auto" (default): device on a GPU backend (Metal, CUDA), host on MLX's CPU backend, where the
+    device strategy doubles the expert memory and re-dequantizes the selected experts every step.
+    Both strategies give ds4-cpu's exact bits; in default numerics they agree to rounding.
     """
     mode = parse_numerics(numerics)
+    strategy = resolve_strategy(experts)  # bad values fail before the file is opened
     f, cfg = _open(path)
     try:
-        model = _build(f, cfg, mode, backend)
+        model = _build(f, cfg, mode, backend, strategy)
         f.check_intact()  # truncated while loading: a clean error naming it, before any use
         return model
     except BaseException:
@@ -149,8 +160,8 @@ def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend:
         raise
 
 
-def _build(f: GGUFFile, cfg: ModelConfig, mode: Numerics, backend: str | None) -> Model:
-    w = _Weights(f, backend)
+def _build(f: GGUFFile, cfg: ModelConfig, mode: Numerics, backend: str | None, strategy: str = "host") -> Model:
+    w = _Weights(f, backend, strategy)
     emb_name = "token_embd.weight"
     if not w.has(emb_name):
         raise LayoutError(f"{f.path}: tensor {emb_name!r} is missing")
@@ -162,6 +173,8 @@ def _build(f: GGUFFile, cfg: ModelConfig, mode: Numerics, backend: str | None) -
     blocks = [_block(cfg, w, il, ops) for il in range(cfg.n_layer)]
     output_hc = OutputHC(w.dense("output_hc_fn.weight"), w.f32("output_hc_scale.weight", (1,)),
                          w.f32("output_hc_base.weight", (cfg.n_hc,)), cfg.hc_eps, cfg.rms_eps, ops)
-    return Model(cfg, ops, embedding=embedding, blocks=blocks, output_hc=output_hc,
-                 output_norm=w.f32("output_norm.weight", (cfg.n_embd,)), output=w.dense("output.weight"),
-                 source=f)
+    model = Model(cfg, ops, embedding=embedding, blocks=blocks, output_hc=output_hc,
+                  output_norm=w.f32("output_norm.weight", (cfg.n_embd,)), output=w.dense("output.weight"),
+                  source=f)
+    model.expert_strategy = strategy  # "device" | "host", as resolved from the load option
+    return model

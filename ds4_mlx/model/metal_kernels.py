@@ -262,6 +262,25 @@ def expert_matvec_kernel(slabs: mx.array, qtype: GGMLType, x: mx.array, slot, ro
     return y
 
 
+def expert_matvec_kernel_ids(slabs: mx.array, qtype: GGMLType, x: mx.array, slot: mx.array, rows: mx.array,
+                             dialect: str = "metal") -> mx.array:
+    """``expert_matvec_kernel`` with the pair indices as MLX int32 arrays, never read on the host (the
+    device expert strategy's decode step); the caller guarantees they are in range."""
+    qtype = GGMLType(qtype)
+    n_in = _geometry(qtype, slabs.shape[2])
+    _check_x(x, n_in, "expert_matvec")
+    _, out_dim, row_bytes = slabs.shape
+    P = int(slot.size)
+    grid, group = matvec_launch(out_dim, P)
+    (y,) = _kernel("expert_matvec", dialect)(
+        inputs=[slabs, x.astype(mx.float32), slot.astype(mx.int32), rows.astype(mx.int32)],
+        template=[("QT", int(qtype)), ("N_IN", n_in), ("N_OUT", out_dim), ("ROW_BYTES", row_bytes),
+                  ("NSG", MATVEC_SIMDGROUPS), ("NR", MATVEC_ROWS)],
+        grid=grid, threadgroup=group, output_shapes=[(P, out_dim)], output_dtypes=[mx.float32],
+    )
+    return y
+
+
 def swiglu_twin(gate: mx.array, up: mx.array, clamp: float) -> mx.array:
     """ds4's clamped SwiGLU, as ``ds4_mlx.model.moe`` applies it (DEFAULT numerics)."""
     c = float(clamp)

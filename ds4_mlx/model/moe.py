@@ -7,6 +7,11 @@
     w_i    = prob[sel_i] / max(Σ_i prob[sel_i], 2^-14) · 1.5
     mid_i  = silu(min(gate_i·xn, c)) · clip(up_i·xn, -c, c) · w_i          (router weight before down)
     f      = Σ_i down_i·mid_i  +  down_sh·(silu(min(gate_sh·xn, c)) · clip(up_sh·xn, -c, c))
+
+Routing follows the expert strategy (``device_experts``): with host experts the ids are chosen in
+numpy; with device experts (``routes_on_device``) they stay MLX arrays (``topk_lowest_id``, tid2eid by
+``mx.take``), so the layer has no host break and a compiled decode step can trace all of it. Both
+strategies select the same ids (the same tie rule on the same scores).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from ds4_mlx.model.device_experts import topk_lowest_id
 from ds4_mlx.model.experts import ExpertWeights
 from ds4_mlx.model.linear import DenseWeight
 from ds4_mlx.model.ops import DefaultOps
@@ -35,6 +41,11 @@ class MoE:
         self.gate_sh, self.up_sh, self.down_sh = gate_sh, up_sh, down_sh
         self.n_used, self.weight_scale, self.clamp, self.eps = n_used, weight_scale, clamp, eps
         self.ops = ops
+        # device strategy: expert ids never leave the device (see the module docstring)
+        self.routes_on_device = bool(getattr(gate_exps, "routes_on_device", False))
+        self.tid2eid_device = None
+        if tid2eid is not None and self.routes_on_device:
+            self.tid2eid_device = mx.array(np.ascontiguousarray(tid2eid, dtype=np.int32))
 
     def _swiglu(self, gate: mx.array, up: mx.array) -> mx.array:
         c = self.clamp
@@ -48,28 +59,35 @@ class MoE:
             return prob, None
         return prob, (prob if self.bias is None else prob + self.bias)
 
-    def select(self, choice: mx.array | None, tokens: np.ndarray) -> np.ndarray:
+    def select(self, choice: mx.array | None, tokens) -> np.ndarray | mx.array:
         """Selected expert ids int32 [T, k]: tid2eid[token] on hash layers, else the top-k of
-        ``choice`` (a stable sort of the negated scores = ds4's insertion top-k with strict '>')."""
+        ``choice`` (a stable sort of the negated scores = ds4's insertion top-k with strict '>').
+        numpy with host experts; an MLX array (never read back) with device experts, where ``tokens``
+        may be an MLX array too."""
+        if self.routes_on_device:
+            if self.tid2eid_device is not None:
+                toks = tokens if isinstance(tokens, mx.array) else mx.array(np.asarray(tokens, dtype=np.int32))
+                return mx.take(self.tid2eid_device, toks.reshape(-1).astype(mx.int32), axis=0)
+            return topk_lowest_id(choice, self.n_used)
         if self.tid2eid is not None:
             sel = self.tid2eid[tokens]
         else:
             sel = np.argsort(-np.array(choice, dtype=np.float32), axis=1, kind="stable")[:, : self.n_used]
         return np.ascontiguousarray(sel, dtype=np.int32)
 
-    def route_weights(self, prob: mx.array, sel: np.ndarray) -> mx.array:
+    def route_weights(self, prob: mx.array, sel) -> mx.array:
         """w_i = prob[sel_i] / max(Σ prob[sel], 2^-14) · scale   [T, k]."""
-        w = mx.take_along_axis(prob, mx.array(sel), axis=1)
+        w = mx.take_along_axis(prob, sel if isinstance(sel, mx.array) else mx.array(sel), axis=1)
         total = self.ops.small_sum(w, 1, keepdims=True)
         return w / mx.maximum(total, ROUTER_SUM_FLOOR) * self.weight_scale
 
-    def route(self, xn: mx.array, tokens: np.ndarray) -> tuple[np.ndarray, mx.array]:
+    def route(self, xn: mx.array, tokens) -> tuple[np.ndarray | mx.array, mx.array]:
         """(selected expert ids int32 [T, k], their weights [T, k])."""
         prob, choice = self.router_scores(xn)
         sel = self.select(choice, tokens)
         return sel, self.route_weights(prob, sel)
 
-    def routed_experts(self, xn: mx.array, sel: np.ndarray, w: mx.array) -> mx.array:
+    def routed_experts(self, xn: mx.array, sel, w: mx.array) -> mx.array:
         """Per selected expert: down_i·(swiglu(gate_i·xn, up_i·xn)·w_i)   -> [T, k, n_embd]."""
         ops, xe = self.ops, xn[:, None, :]
         mid = self._swiglu(ops.experts(self.gate_exps, xe, sel), ops.experts(self.up_exps, xe, sel))
@@ -83,8 +101,9 @@ class MoE:
         """Σ_i down[:, i] + shared."""
         return self.ops.small_sum(down, 1) + shared
 
-    def __call__(self, x: mx.array, tokens: np.ndarray) -> mx.array:
-        """x [T, n_embd] (HC-reduced), tokens [T] (this position's input ids) -> f [T, n_embd]."""
+    def __call__(self, x: mx.array, tokens) -> mx.array:
+        """x [T, n_embd] (HC-reduced), tokens [T] (this position's input ids; numpy, or an MLX array
+        with device experts) -> f [T, n_embd]."""
         xn = self.ops.rms_norm(x, self.ffn_norm, self.eps)
         sel, w = self.route(xn, tokens)
         down = self.routed_experts(xn, sel, w)  # [T, k, n_embd]

@@ -259,13 +259,14 @@ class EngineBackend(Backend):
     ``logits_hook(request, prompt_ids) -> list | None``: extra logits processors for one request
     (tests drive tool-call output from a random model with it; the server passes none)."""
 
-    def __init__(self, model_path: str, *, ctx: int = 32768, numerics: str = "default",
+    def __init__(self, model_path: str, *, ctx: int = 32768, numerics: str = "default", experts: str = "auto",
                  kv_disk_dir: str | None = None, kv_disk_space_mb: int | None = None,
                  sessions: int = 1, sessions_mb: float = 0, max_queue: int = 64,
                  model_id: str = "deepseek-v4-flash", replay=None,
                  logits_hook: Callable | None = None) -> None:
         self.model_path = model_path
         self.numerics = numerics
+        self.experts = experts
         self.kv_disk_dir = kv_disk_dir
         self.kv_disk_space_mb = kv_disk_space_mb
         self.sessions = sessions
@@ -289,7 +290,7 @@ class EngineBackend(Backend):
         import ds4_mlx
         from ds4_mlx.engine.session_pool import SessionPool
 
-        model = ds4_mlx.load(self.model_path, numerics=self.numerics)
+        model = ds4_mlx.load(self.model_path, numerics=self.numerics, experts=self.experts)
         if self.ctx > model.context_length:
             raise Ds4Error(f"--ctx {self.ctx} is larger than the model's context length {model.context_length}")
         disk = None

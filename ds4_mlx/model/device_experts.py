@@ -1,0 +1,165 @@
+"""The "device" expert strategy: expert blocks resident as MLX arrays, routing and expert ids on the device.
+
+Two strategies run the routed experts (``ds4_mlx.load(path, experts=...)``):
+
+* ``host`` (``experts.ExpertWeights``): the router's scores come back to numpy, the top-k is taken
+  there, and the selected experts' slabs are copied out of the mmap and dequantized into a shared LRU.
+  Nothing but the mmap holds the experts, so the resident memory stays small; every MoE layer of a
+  decode step waits for the device (one host round trip per layer).
+* ``device`` (``DeviceExpertWeights`` here): every expert tensor's raw GGUF blocks are copied once, at
+  load, into an MLX array [n_expert, out, row_bytes]. The top-k (``topk_lowest_id``) and hash routing
+  (``mx.take`` on the tid2eid table) run as MLX ops, and the expert ids stay MLX arrays: they index the
+  blocks with ``mx.take`` and feed the Metal matvec kernel (Metal) or the MLX-ops twin (gather the k
+  blocks, dequantize them with ``quants_mlx``, one batched matvec) everywhere else. A decode step is then
+  one graph with no host break (``compiled_decode`` traces the whole layer when ``MoE.routes_on_device``).
+
+Cost of ``device``: the expert bytes are resident in MLX memory (on top of the mmap's page cache), i.e.
+the GGUF's routed-expert bytes, ``expert_bytes_resident``: ~80 GiB for DS4 Flash's 2-bit file, all of
+the tiny test model's ~10 MiB. On a GPU that is the price of having the weights where the arithmetic
+runs; on MLX's CPU backend it buys little (host and device share one memory and one set of cores, a
+host round trip costs microseconds) and doubles the expert memory, and the twin dequantizes the k
+selected experts on every step where the host strategy's LRU keeps them dequantized. So ``auto``
+picks ``device`` on a GPU backend (Metal, CUDA) and ``host`` on the CPU.
+
+Numerics. DEFAULT: float activations times the dequantized blocks (the host path's arithmetic; the
+batched matvec may round its dot products differently in the last bits). DS4_CPU: the ids come from the
+same exact top-k (ties go to the lower expert id, as ds4's insertion top-k with strict '>'), then the
+call goes through ``ExpertWeights``' integer-exact ds4 arithmetic on blocks taken from the resident
+array, so both strategies give identical bits (that mode is never compiled and syncs where it likes).
+
+A prefill chunk of many tokens selects most experts; there the pairs are grouped by expert on the host
+(one sync per layer, as the host strategy) so each selected expert is dequantized once, not once per pair.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from ds4_mlx.errors import LayoutError
+from ds4_mlx.formats.quants_mlx import dequantize_rows_mlx
+from ds4_mlx.model import metal_kernels
+from ds4_mlx.model.experts import ExpertWeights
+
+STRATEGIES = ("device", "host", "auto")
+
+# Up to this many token-expert pairs a call gathers and dequantizes one block per pair on the device
+# (a decode step: k pairs). Beyond it (a prefill chunk), pairs are grouped by expert on the host so
+# each selected expert is dequantized once.
+DEVICE_MAX_PAIRS = 16
+
+
+def gpu_backend() -> str | None:
+    """"metal" or "cuda" when MLX's default device is a GPU of that backend, else None."""
+    if mx.default_device().type != mx.DeviceType.gpu:
+        return None
+    if mx.metal.is_available():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        return "cuda"
+    return None
+
+
+def resolve_strategy(experts: str) -> str:
+    """"device" / "host" from the user's choice; ``auto`` = device on a GPU backend, host on the CPU.
+    Anything else is a ``LayoutError`` naming the value and the choices."""
+    if not isinstance(experts, str) or experts not in STRATEGIES:
+        raise LayoutError(f"unknown expert strategy {experts!r}; expected one of {list(STRATEGIES)}")
+    if experts == "auto":
+        return "device" if gpu_backend() is not None else "host"
+    return experts
+
+
+def topk_lowest_id(scores: mx.array, k: int) -> mx.array:
+    """Indices int32 [T, k] of the k largest scores per row, best first, ties to the lower index.
+
+    ds4's top-k (an insertion sort with strict '>') and the host strategy's stable argsort of the
+    negated scores pick exactly these. k passes of (max, lowest index holding it, mask it out): every
+    step is an exact comparison, so the result is the same on every backend, unlike a sort whose
+    tie order is unspecified. NaN scores rank last (numpy's order)."""
+    T, n = scores.shape
+    if not 0 < k <= n:
+        raise LayoutError(f"top-k of {k} among {n} experts")
+    idx = mx.arange(n, dtype=mx.int32)[None, :]
+    s = mx.where(mx.isnan(scores), -mx.inf, scores)
+    picks = []
+    for i in range(k):
+        m = mx.max(s, axis=1, keepdims=True)
+        j = mx.min(mx.where(s == m, idx, n), axis=1, keepdims=True)
+        # a row of only -inf left (never for a router: its scores are finite) still yields an id in range
+        j = mx.minimum(j, n - 1)
+        picks.append(j)
+        if i + 1 < k:
+            s = mx.where(idx == j, -mx.inf, s)
+    return mx.concatenate(picks, axis=1).astype(mx.int32)
+
+
+class DeviceExpertWeights(ExpertWeights):
+    """``ExpertWeights`` whose raw blocks live in an MLX array and whose ``__call__`` takes expert ids as
+    an MLX array without reading them on the host (see the module docstring)."""
+
+    routes_on_device = True
+
+    def __init__(self, name, qtype, raw: np.ndarray, n_in: int, backend=None, use_kernels=None):
+        super().__init__(name, qtype, raw, n_in, backend, use_kernels)
+        self.blocks = mx.array(np.ascontiguousarray(raw))  # [n_expert, out, row_bytes] uint8, a copy
+        mx.eval(self.blocks)  # pay the copy at load, not inside the first decode step
+
+    @property
+    def resident_nbytes(self) -> int:
+        """Bytes this tensor holds in MLX memory (all experts' raw blocks)."""
+        return int(self.blocks.nbytes)
+
+    def _read(self, experts: np.ndarray) -> mx.array:
+        # The resident blocks of ``experts`` (a device gather, not a copy out of the mmap: bytes_read
+        # stays 0). ExpertWeights' grouped, kernel and ds4-cpu paths take their slabs from here.
+        return mx.take(self.blocks, mx.array(np.asarray(experts, dtype=np.int32)), axis=0)
+
+    def __call__(self, x: mx.array, ids) -> mx.array:
+        """x [T, k|1, in], ids [T, k] (MLX int array, or numpy) -> [T, k, out] in DEFAULT numerics.
+
+        Up to ``DEVICE_MAX_PAIRS`` pairs with MLX ids: all on the device, nothing read back (MLX ids are
+        the router's, in range by construction; numpy ids are range-checked here). Larger calls go
+        through ``ExpertWeights``' grouping on the host."""
+        n_expert, out_dim, n_in = self.shape
+        if not isinstance(ids, mx.array):
+            ids_np = np.asarray(ids)
+            if ids_np.size and (ids_np.min() < 0 or ids_np.max() >= n_expert):
+                raise LayoutError(f"tensor {self.name!r}: expert id outside 0..{n_expert - 1} "
+                                  f"(got {int(ids_np.min())}..{int(ids_np.max())})")
+            ids = mx.array(ids_np.astype(np.int32))
+        if ids.ndim != 2:
+            raise LayoutError(f"tensor {self.name!r}: expert ids must be [T, k], got shape {tuple(ids.shape)}")
+        if not mx.issubdtype(ids.dtype, mx.integer):
+            raise LayoutError(f"tensor {self.name!r}: expert ids must be integers, got {ids.dtype}")
+        T, k = ids.shape
+        if x.ndim != 3 or x.shape[0] != T or x.shape[1] not in (1, k) or x.shape[2] != n_in:
+            raise LayoutError(f"tensor {self.name!r}: input shape {tuple(x.shape)} does not fit ids {(T, k)} "
+                              f"(expected [{T}, 1 or {k}, {n_in}])")
+        if T * k > DEVICE_MAX_PAIRS:
+            return super().__call__(x, ids)  # reads the ids: a prefill chunk, grouped by expert
+        if x.dtype != mx.float32:
+            x = x.astype(mx.float32)
+        P = T * k
+        if P == 0:
+            return mx.zeros((T, k, out_dim), dtype=mx.float32)
+        # Counted per call; inside a compiled step the body runs at trace time only.
+        self.calls += 1
+        self.pairs += P
+        self.bytes_selected += P * self.expert_nbytes  # a token's k experts are distinct
+        slot = ids.reshape(P).astype(mx.int32)
+        x_rows = (x if x.shape[1] == k else mx.broadcast_to(x, (T, k, n_in))).reshape(P, n_in)
+        if self.use_kernels:
+            y = metal_kernels.expert_matvec_kernel_ids(self.blocks, self.qtype, x_rows, slot,
+                                                        mx.arange(P, dtype=mx.int32))
+        else:
+            y = expert_matvec_twin_ids(self.blocks, self.qtype, x_rows, slot)
+        return y.reshape(T, k, out_dim)
+
+
+def expert_matvec_twin_ids(blocks: mx.array, qtype, x_rows: mx.array, slot: mx.array) -> mx.array:
+    """MLX-ops twin of the matvec kernel with device ids: y[p] = dequant(blocks[slot[p]]) @ x_rows[p]
+    -> float32 [P, out]. Dequantizes the P gathered blocks (one per pair: meant for a few pairs)."""
+    w = dequantize_rows_mlx(mx.take(blocks, slot, axis=0), qtype)  # [P, out, in]
+    return mx.matmul(w, x_rows[:, :, None])[:, :, 0]
