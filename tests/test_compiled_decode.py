@@ -298,22 +298,32 @@ def test_opt_out_and_ds4_cpu_stay_on_the_chunk_path(model, tiny_model_path, toke
         m4.decoder()
 
 
-def test_device_routed_moe_compiles_whole_layers(model, tokens, monkeypatch):
-    """A MoE that routes on the device (``routes_on_device``) gets one function per layer, the whole
-    ``Block.__call__`` with no host break; run eagerly here (today's MoE routes on the host, which a
-    trace cannot), it gives the host-routed step's bits."""
+def test_device_routed_moe_compiles_whole_layers(tiny_model_path, tokens, monkeypatch):
+    """A MoE that routes on the device (``experts="device"``) gets one function per layer, the whole
+    ``Block.__call__`` with no host break; run eagerly, it gives the bits of the same model's
+    host-routed wiring (router read on the host, the same expert arithmetic)."""
+    import ds4_mlx
     from ds4_mlx.model.compiled_decode import CompiledDecoder
 
+    model = ds4_mlx.load(tiny_model_path, experts="device").network
     s = model.new_session(ctx=4096, compile=False)
     s.prefill(tokens[:70])
-    host = CompiledDecoder(model, compile=False)
-    for block in model.blocks:
-        monkeypatch.setattr(block.ffn, "routes_on_device", True, raising=False)
     whole = CompiledDecoder(model, compile=False)
     assert whole._device_routed == [True] * model.config.n_layer
+    for block in model.blocks:
+        monkeypatch.setattr(block.ffn, "routes_on_device", False)
+    host = CompiledDecoder(model, compile=False)
+    assert host._device_routed == [False] * model.config.n_layer
     ca, cb = s.state.copy(), s.state.copy()
+    def routed_on_device(flag):  # what MoE.select reads at call time
+        for block in model.blocks:
+            block.ffn.routes_on_device = flag
+
     for t in tokens[70:74]:
-        la, lb = host.step(t, ca), whole.step(t, cb)
+        la = host.step(t, ca)
+        routed_on_device(True)
+        lb = whole.step(t, cb)
+        routed_on_device(False)
         assert np.array_equal(bits(la), bits(lb))
     assert whole.traces == 4 * (model.config.n_layer + 1)
     assert_states_bit_equal(ca, cb)
