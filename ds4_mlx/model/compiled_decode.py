@@ -194,7 +194,8 @@ class CompiledDecoder:
         cache.reserve(p)
         pos = mx.array(p, dtype=mx.int32)
         tokens = np.array([token], dtype=np.int64)
-        token_arr = mx.array(tokens.astype(np.int32))
+        # the id as an MLX array only for layers that route on the device (one host array per step)
+        token_arr = mx.array(tokens.astype(np.int32)) if any(self._device_routed) else None
         model = self.model
         carry = [model.embed(tokens)]
         for il, block in enumerate(model.blocks):
