@@ -17,9 +17,11 @@ scoring. Get one from ``ds4_mlx.load(path).new_session(ctx=...)``.
   ``RebuildNeeded`` instead of rebuilding (ds4's REBUILD_NEEDED; a server can then try its disk
   cache first).
 
-Snapshots. ``snapshot()`` is O(1) (the state's arrays are immutable and shared); it holds that
-state's memory alive: the raw windows and frontiers plus the compressed rows so far (spec §9.2,
-≈ 13.8 KB per token on the real model). The session keeps two pools it searches on divergence:
+Snapshots. ``snapshot()`` is O(1) (``ModelCache.copy``: the arrays are shared, never written in
+place); it holds that cache's buffers alive: the raw rings and frontiers plus the compressed-row
+buffers, sized by the cache's power-of-two capacity (at least 4096 tokens, so up to 2x the rows
+written so far; spec §9.2, ≈ 13.8 KB per token on the real model). ``Snapshot.nbytes`` counts the
+saved (canonical) size. The session keeps two pools it searches on divergence:
 the last ``auto_checkpoints`` states at chunk boundaries (free to take: prefill reaches them
 anyway, and restoring one then prefilling is bit-identical to a cold prefill), and up to
 ``kept_checkpoints`` snapshots taken with ``snapshot(keep=True)`` (e.g. the end of a prompt, before
