@@ -10,6 +10,7 @@ turns ^C into SIGINT for the program, as a real terminal does)."""
 
 from __future__ import annotations
 
+import signal
 import sys
 
 from pexpect.popen_spawn import PopenSpawn
@@ -25,3 +26,12 @@ def spawn(argv: list[str], env: dict, timeout: float = 300) -> PopenSpawn:
     """A session running ``argv`` on a pseudo-terminal; use expect/send/sendline, and
     ``send(CTRL_C)`` / ``send(CTRL_D)``. ``exitstatus`` after ``expect(pexpect.EOF)`` and ``wait()``."""
     return PopenSpawn([sys.executable, "-c", _LAUNCHER, *argv], env=env, encoding="utf-8", timeout=timeout)
+
+
+def finish(child: PopenSpawn) -> int | None:
+    """The session's exit status; a session still running (a failed or timed-out expect) is killed
+    first, so a stuck program fails its test instead of hanging it in ``wait()`` (killing the
+    launcher closes the terminal, and the program gets SIGHUP)."""
+    if child.proc.poll() is None and not child.flag_eof:
+        child.kill(signal.SIGKILL)
+    return child.wait()

@@ -11,7 +11,6 @@ import io
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -222,7 +221,7 @@ def test_line_reader_blocks_and_end_of_input():
 
 
 def _pty_session(pexpect, tiny_model_path, env, first_words: str) -> tuple[int | None, str]:
-    from pty_spawn import CTRL_C, CTRL_D, spawn
+    from pty_spawn import CTRL_C, CTRL_D, finish, spawn
 
     # ds4-cpu numerics: the greedy answer is exact (the tiny random model's logits are nearly flat, so
     # a default-numerics argmax may change with the BLAS's summation order), so its start is known.
@@ -248,9 +247,7 @@ def _pty_session(pexpect, tiny_model_path, env, first_words: str) -> tuple[int |
         raise pexpect.TIMEOUT(f"{exc.value.splitlines()[0] if exc.value else 'timeout'}; the session so far:\n"
                               f"{log.getvalue()[-3000:]}") from None
     finally:
-        if child.proc.poll() is None and not child.flag_eof:
-            child.kill(signal.SIGKILL)     # a stuck session must fail the test, not hang it in wait()
-        status = child.wait()
+        status = finish(child)  # kills a stuck session: the test fails instead of hanging
     return status, log.getvalue()
 
 

@@ -149,7 +149,7 @@ def test_app_timeout_cancels(tiny_model_path):
 
 def test_app_q_key_cancels_on_a_terminal(tiny_model_path):
     pexpect = pytest.importorskip("pexpect")
-    from pty_spawn import spawn  # a terminal without forking this (threaded) test process
+    from pty_spawn import finish, spawn  # a terminal without forking this (threaded) test process
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
     child = spawn([sys.executable, str(APP), "--model", str(tiny_model_path), "-n", "100000", "--think"], env=env)
@@ -159,7 +159,7 @@ def test_app_q_key_cancels_on_a_terminal(tiny_model_path):
         child.expect(r"\[cancelled\] prompt: \d+ tokens")
         child.expect(pexpect.EOF)
     finally:
-        status = child.wait()
+        status = finish(child)  # kills a stuck session: the test fails instead of hanging
     assert status == 0
 
 
