@@ -237,3 +237,40 @@ def test_a_killed_rank_ends_the_run_cleanly(tiny_model_path, tmp_path):
     assert len(ours) == 1 and ours[0].startswith(
         "ds4-mlx generate: error: rank 0: lost the connection to the other ranks (one exited or was killed)"), err
     assert "Traceback" not in err
+
+
+def test_a_killed_rank_0_ends_the_other_rank(tiny_model_path, tmp_path):
+    """The driver dies mid-generation: the follower stops within a bound with one error line."""
+    hosts = _hostfile(tmp_path)
+    cmd = CLI + ["generate", "-m", str(tiny_model_path), "-p", PROMPT, "--raw", "--temp", "0", "-n", "400",
+                 "--distributed", "pipeline"]
+    r1 = subprocess.Popen(cmd, env=_env(MLX_HOSTFILE=str(hosts), MLX_RANK="1"), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE)
+    r0 = subprocess.Popen(cmd, env=_env(MLX_HOSTFILE=str(hosts), MLX_RANK="0"), stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL)
+    try:
+        assert r0.stdout.read(1), "rank 0 printed nothing"
+        r0.send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        r1.wait(timeout=60)
+        assert time.monotonic() - t0 < 30
+        out, err = r1.communicate()
+    finally:
+        for p in (r0, r1):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert r1.returncode == 2, err
+    assert out == b""  # only rank 0 prints text
+    ours = [line for line in err.decode().splitlines() if line.startswith("ds4-mlx")]
+    assert len(ours) == 1 and ours[0].startswith(
+        "ds4-mlx generate: error: rank 1: lost the connection to the other ranks"), err
+
+
+def test_more_ranks_than_layers_is_one_line_on_every_rank(small_model_path):
+    """The 4-layer small model on 5 ranks."""
+    r = _run(LAUNCH + ["-n", "5", "--backend", "ring", "--"] + CLI
+             + ["generate", "-m", str(small_model_path), "-p", "hi", "--distributed", "pipeline"], timeout=300)
+    lines = [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("ds4-mlx")]
+    assert lines == ["ds4-mlx generate: error: 5 ranks but the model has only 4 layers: "
+                     "a pipeline needs at least one layer per rank"] * 5, r.stdout + r.stderr
