@@ -188,7 +188,7 @@ def test_each_rank_builds_only_its_layers_and_refuses_foreign_states(tiny_model_
     assert len(lines) == 4, r.stdout + r.stderr
     r0, r1 = lines[0], lines[2]
     assert r0.startswith("rank 0: layers [0") and r0.endswith("head False")
-    assert r1.startswith("rank 1: layers [") and r1.endswith(", 5] head True")
+    assert r1.startswith("rank 1: layers [") and r1.endswith("5] head True")
     own0 = json.loads(r0.split("layers ")[1].split(" head")[0])
     own1 = json.loads(r1.split("layers ")[1].split(" head")[0])
     assert own0 + own1 == list(range(6))

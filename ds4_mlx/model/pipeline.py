@@ -3,8 +3,7 @@
     rank 0          embed, layers [0, a)      --H-->  rank 1   layers [a, b)  --H--> ... last rank
     rank 0  <--logits--  last rank: layers [.., n_layer), output HC, norm, head
 
-Layers are split by their weight bytes (``split_layers``, the embedding counted on the first rank
-and the head on the last), so each rank maps and touches only its share of the GGUF: the loader
+Layers are split by their weight bytes (``split_layers``, the head counted on the last rank), so each rank maps and touches only its share of the GGUF: the loader
 builds only the rank's own blocks (``loader.load(..., distributed="pipeline")``); the embedding is
 gathered only on rank 0 and the head exists only on the last rank.
 
@@ -91,21 +90,21 @@ def split_layers(layer_bytes: list[int], n_ranks: int, first_extra: int = 0, las
 
 
 def gguf_split(f, n_layer: int, n_ranks: int) -> list[range]:
-    """``split_layers`` over the GGUF's tensor bytes: ``blk.N.*`` per layer, the embedding on the
-    first rank, the output head (``output*``) on the last."""
+    """``split_layers`` over the GGUF's tensor bytes: ``blk.N.*`` per layer, the output head
+    (``output*``) on the last rank. The embedding is not counted: rank 0 gathers only the rows of the
+    tokens it sees out of the mapping, so it never becomes resident as a whole (on the tiny model,
+    counting its 126 MiB would leave rank 0 one layer and the last rank the other five and the head)."""
     per_layer = [0] * n_layer
-    emb = head = 0
+    head = 0
     for name in f.tensors:
         nbytes = int(f.tensor(name).nbytes)
         if name.startswith("blk."):
             il = int(name.split(".")[1])
             if 0 <= il < n_layer:
                 per_layer[il] += nbytes
-        elif name.startswith("token_embd."):
-            emb += nbytes
         elif name.startswith("output"):
             head += nbytes
-    return split_layers(per_layer, n_ranks, emb, head)
+    return split_layers(per_layer, n_ranks, 0, head)
 
 
 # -- joining -------------------------------------------------------------------------------------
@@ -185,6 +184,9 @@ class PipelineModel(Model):
     # -- transport ------------------------------------------------------------------------------
 
     def _lost(self, exc: Exception) -> DistributedError:
+        # No STOP at exit after this: the ring backend has failed its connections, and a send over
+        # one of them can block for ever, leaving the process hanging after its error line.
+        self._stopped = True
         return DistributedError(f"rank {self.rank}: lost the connection to the other ranks "
                                 f"(one exited or was killed): {exc}")
 
