@@ -35,9 +35,8 @@ import sys
 import mlx.core as mx
 import numpy as np
 
-from ds4_mlx import allocator
 from ds4_mlx.errors import DistributedError, InferenceError
-from ds4_mlx.model.cache import ChunkAt, ModelCache
+from ds4_mlx.model.cache import ModelCache
 from ds4_mlx.model.transformer import Model, _all_finite, _raise_nonfinite
 
 MODES = ("pipeline",)
@@ -242,8 +241,10 @@ class PipelineModel(Model):
         reset = self._claim(cache)
         if self.source is not None:
             self.source.check_intact()
+        new = cache.copy()  # on an error here the caller keeps its cache, the other ranks theirs
         with self.ops.stream():
-            H, new = self._chunk(self.embed(tokens), tokens, cache.copy(), first=True)
+            H = self.embed(tokens)
+            H = self.run_blocks(H, tokens, new, [("the token embedding", _all_finite(H))])
         self._pass_on(self._header(_CHUNK, cache.n_tokens, len(tokens), want_logits, reset, H), tokens, H)
         self._mirrored = new
         logits = self._recv_logits() if want_logits else None
@@ -278,29 +279,6 @@ class PipelineModel(Model):
         except DistributedError:
             pass  # the others are gone already: nothing to stop
 
-    # -- every rank ---------------------------------------------------------------------------
-
-    def _chunk(self, H: mx.array, tokens: np.ndarray, cache: ModelCache, first: bool) -> tuple[mx.array, ModelCache]:
-        """This rank's layers on a chunk (``Model._forward_chunk``'s layer loop on its blocks)."""
-        p0 = cache.n_tokens
-        cache.reserve(p0 + len(tokens) - 1)
-        at = ChunkAt(p0, len(tokens), self.ops)
-        where = f"positions {p0}..{p0 + len(tokens) - 1}"
-        pending = [("the token embedding", _all_finite(H))] if first else []
-        release = len(tokens) > 1
-        for block in self.blocks:
-            lc = cache.layers[block.il]
-            lc.bind(at)
-            H = block(H, tokens, lc)
-            pending.append((f"layer {block.il}", _all_finite(H)))
-            mx.eval(H, *lc.arrays(), *(ok for _, ok in pending))
-            _raise_nonfinite(pending, where, self.source)
-            pending = []
-            if release:
-                allocator.release_file_pages(self.embedding)
-        cache.advance(p0 + len(tokens))
-        return H, cache
-
     # -- the other ranks ----------------------------------------------------------------------
 
     def follow(self) -> None:
@@ -330,7 +308,7 @@ class PipelineModel(Model):
                 self.source.check_intact()
             if op == _CHUNK:
                 with self.ops.stream():
-                    H, cache = self._chunk(H, tokens, cache, first=False)
+                    H = self.run_blocks(H, tokens, cache)
                     out = self.head(H[-1:])[0] if self.is_last and want else None
             elif op == _STEP:
                 dec = self.decoder()
