@@ -274,3 +274,11 @@ def test_more_ranks_than_layers_is_one_line_on_every_rank(small_model_path):
     lines = [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("ds4-mlx")]
     assert lines == ["ds4-mlx generate: error: 5 ranks but the model has only 4 layers: "
                      "a pipeline needs at least one layer per rank"] * 5, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("value,why", [("abc", "is not a number of seconds"), ("0", "must be a finite number"),
+                                       ("inf", "must be a finite number"), ("nan", "must be a finite number")])
+def test_bad_join_timeout_is_one_line(tiny_model_path, tmp_path, value, why):
+    r = _run(CLI + ["generate", "-m", str(tiny_model_path), "-p", "hi", "--distributed", "pipeline"], timeout=60,
+             MLX_HOSTFILE=str(_hostfile(tmp_path)), MLX_RANK="0", DS4_MLX_DIST_TIMEOUT=value)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and why in r.stderr, r.stderr

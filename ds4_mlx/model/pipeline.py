@@ -28,6 +28,7 @@ backend raises on its neighbours, and that becomes a one-line ``DistributedError
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import subprocess
 import sys
@@ -137,8 +138,8 @@ def join(timeout: float | None = None):
     ``timeout`` seconds (default ``DS4_MLX_DIST_TIMEOUT`` or 120) for the other ranks; past it the
     process ends with a one-line message. Raises ``DistributedError`` when no launcher started it."""
     limit = _join_timeout(timeout)
-    if not limit > 0:
-        raise DistributedError(f"the join timeout must be > 0 seconds, got {limit:g}")
+    if not (limit > 0 and math.isfinite(limit)):
+        raise DistributedError(f"the join timeout must be a finite number of seconds > 0, got {limit:g}")
     msg = (f"ds4-mlx: error: rank {os.environ.get('MLX_RANK', '?')}: the other ranks did not join within "
            f"{limit:g} s (is every host of the hostfile running the same command?)")
     dog = subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(limit), msg],
