@@ -62,6 +62,9 @@ def load(path_or_repo, numerics: str = "default", **kwargs):
     2-bit DS4 Flash, routing on the device: a decode step has no host round trip), "host" (routing in
     numpy, slabs read out of the mmap on demand) or "auto" (default: device on a GPU, host on the
     CPU, where device only doubles the expert memory). A bad value raises a one-line ``LayoutError``.
+    ``distributed="pipeline"``: run under ``mlx.launch``, the layers split over the ranks
+    (``ds4_mlx.model.pipeline``); only rank 0 returns, the other ranks serve their layers inside
+    this call and exit when rank 0 does (``join_timeout``: seconds to wait for them, default 120).
     """
     from ds4_mlx.engine.engine import Engine
 

@@ -65,3 +65,8 @@ class PayloadError(Ds4Error):
 class HubError(Ds4Error):
     """A model file cannot be fetched from the Hugging Face hub (offline, unreachable, no access, not
     found, no disk space) or a fetched file is not the DS4 GGUF it should be."""
+
+
+class DistributedError(InferenceError):
+    """A distributed run that cannot go on: no launcher started the ranks, more ranks than layers,
+    a rank that never joined or was lost, a state the other ranks do not hold."""

@@ -205,3 +205,13 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
                    default=0.05, metavar="P", help="min probability relative to the best, [0, 1] (default 0.05)")
     p.add_argument("--top-k", action=ranged(int, 0, MAX_TOP_K, why=f"ds4 samples among at most {MAX_TOP_K}"),
                    default=0, metavar="K", help=f"sample among the K best (0 = off, max {MAX_TOP_K})")
+
+
+DISTRIBUTED_MODES = ("pipeline",)
+
+
+def add_distributed_option(p: argparse.ArgumentParser) -> None:
+    """``--distributed pipeline``: split the layers over the ranks ``mlx.launch`` started."""
+    p.add_argument("--distributed", choices=DISTRIBUTED_MODES, default=None,
+                   help="pipeline: split the layers over the ranks started by mlx.launch (rank 0 prints; "
+                        "e.g. mlx.launch -n 2 --backend ring -- ds4-mlx generate ... --distributed pipeline)")

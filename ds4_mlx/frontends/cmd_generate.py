@@ -31,7 +31,7 @@ from pathlib import Path
 
 from ds4_mlx.chat.template import DEFAULT_CTX
 from ds4_mlx.frontends.args import (SEED, TOKENS, UsageError, add_ctx_option, add_disk_cache_options,
-                                    add_model_options, add_sampling_options, add_system_option, add_think_options,
+                                    add_distributed_option, add_model_options, add_sampling_options, add_system_option, add_think_options,
                                     ranged, read_text_file, was_given)
 
 # mlx-lm's default, and the library's generate(max_tokens=...): the CLI and the API agree. ds4's
@@ -45,6 +45,7 @@ def register(sub) -> None:
     p = sub.add_parser("generate", help="generate text from a prompt",
                        description="Generate a continuation of a prompt (ds4 CLI semantics).")
     add_model_options(p)
+    add_distributed_option(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("-p", "--prompt", help="prompt text")
     src.add_argument("--prompt-file", metavar="FILE", help="read the prompt from FILE (UTF-8); - reads stdin")
@@ -118,6 +119,9 @@ def _check_dump_path(path: str) -> None:
 def _validate(args) -> None:
     """Checks that need more than one option or the file system; value ranges are checked while
     parsing (``frontends/args.py``)."""
+    if args.distributed and args.kv_disk_dir:
+        raise UsageError("--kv-disk-dir does not work with --distributed yet: each rank would have to "
+                         "save and restore its own layers")
     if args.dump_logprobs is not None:
         _check_dump_path(args.dump_logprobs)
         if args.temp != 0 and was_given(args, "temp"):
@@ -139,7 +143,8 @@ def _run(args, text: str, cancel) -> int:
     from ds4_mlx.engine.generate import stream_generate
     from ds4_mlx.frontends.cli import EXIT_INTERRUPTED
 
-    engine = Engine.open(args.model, numerics=args.numerics, experts=args.experts)
+    dist = {"distributed": args.distributed} if args.distributed else {}
+    engine = Engine.open(args.model, numerics=args.numerics, experts=args.experts, **dist)
     if cancel.is_set():  # Ctrl-C while the model was loading: nothing generated, no stats to print
         print("ds4-mlx: interrupted while loading the model", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -131,6 +131,14 @@ def _device_routed_layer(block, prev, template: LayerCache, counter: _Counter):
     return body
 
 
+def _finish_body(last, counter: _Counter):
+    def body(carry):
+        counter.n += 1
+        return _finish_ffn(carry, last)
+
+    return body
+
+
 def _head_body(model_ref, last, counter: _Counter):
     def body(carry):
         counter.n += 1
@@ -162,10 +170,13 @@ class CompiledDecoder:
         templates = ModelCache.empty(model.config).layers
         self._device_routed = [bool(getattr(b.ffn, "routes_on_device", False)) for b in blocks]
         self._layer_fns = []
+        # ``blocks`` may be a contiguous range of the layers (a pipeline stage, ``model.pipeline``):
+        # each block finds its cache by its own index ``il``, and the first one starts from H.
         for i, b in enumerate(blocks):
             make = _device_routed_layer if self._device_routed[i] else _host_routed_layer
-            self._layer_fns.append(wrap(make(b, blocks[i - 1] if i else None, templates[i], self._counter)))
+            self._layer_fns.append(wrap(make(b, blocks[i - 1] if i else None, templates[b.il], self._counter)))
         self._head_fn = wrap(_head_body(self._model, blocks[-1], self._counter))
+        self._finish_fn = wrap(_finish_body(blocks[-1], self._counter))
 
     @property
     def model(self):
@@ -191,20 +202,31 @@ class CompiledDecoder:
         ``evaluate=False`` leaves the new cache arrays lazy too: the caller evaluates them with what
         it reads (e.g. ``mx.depends(next_token, cache.arrays())``), one sync for the whole token."""
         p = cache.n_tokens
+        carry = self.layers(self.model.embed(np.array([token], dtype=np.int64)), token, cache)
+        logits = self._head_fn(carry)
+        cache.advance(p + 1)
+        if evaluate:
+            mx.eval(*cache.arrays())
+        return logits
+
+    def layers(self, H: mx.array, token: int, cache: ModelCache) -> list[mx.array]:
+        """This decoder's blocks on H [1, n_hc, n_embd] at position ``cache.n_tokens`` (the cache's
+        layer arrays are replaced, its position is not advanced): the carry for ``head`` or ``finish``."""
+        p = cache.n_tokens
         cache.reserve(p)
         pos = mx.array(p, dtype=mx.int32)
         tokens = np.array([token], dtype=np.int64)
         # the id as an MLX array only for layers that route on the device (one host array per step)
         token_arr = mx.array(tokens.astype(np.int32)) if any(self._device_routed) else None
         model = self.model
-        carry = [model.embed(tokens)]
+        carry = [H]
         for il, block in enumerate(model.blocks):
             attn, ffn = block.attn, block.ffn
             rows = self._rows(attn.rope)
             tables = list(rows.at(p))
             if attn.ratio:
                 tables += list(rows.at(p - p % attn.ratio))
-            lc = cache.layers[il]
+            lc = cache.layers[block.il]
             if self._device_routed[il]:
                 carry, arrays = self._layer_fns[il](carry, token_arr, pos, tables, lc.arrays())
             else:
@@ -215,8 +237,12 @@ class CompiledDecoder:
             # drop the old buffers before anything is evaluated, so MLX may update them in place
             lc.set_arrays(arrays)
             del arrays
-        logits = self._head_fn(carry)
-        cache.advance(p + 1)
-        if evaluate:
-            mx.eval(*cache.arrays())
-        return logits
+        return carry
+
+    def head(self, carry: list[mx.array]) -> mx.array:
+        """The carry of ``layers`` -> next-token logits [n_vocab] (the last block's FFN tail, the head)."""
+        return self._head_fn(carry)
+
+    def finish(self, carry: list[mx.array]) -> mx.array:
+        """The carry of ``layers`` -> H after the last block (its FFN tail), for the next pipeline stage."""
+        return self._finish_fn(carry)

@@ -135,7 +135,7 @@ def _block(cfg: ModelConfig, w: _Weights, il: int, ops: DefaultOps) -> Block:
 
 
 def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend: str | None = None,
-         experts: str = "auto") -> Model:
+         experts: str = "auto", distributed: str | None = None, join_timeout: float | None = None) -> Model:
     """Open a DS4 Flash GGUF (mmap) and build the model; raises a Ds4Error subclass on bad input.
 
     ``numerics``: "default" (fast path) or "ds4-cpu" (ds4.c's CPU reference arithmetic).
@@ -147,12 +147,24 @@ def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend:
     "auto" (default): device on a GPU backend (Metal, CUDA), host on MLX's CPU backend, where the
     device strategy doubles the expert memory and re-dequantizes the selected experts every step.
     Both strategies give ds4-cpu's exact bits; in default numerics they agree to rounding.
+    ``distributed``: None, or "pipeline" to join the ranks ``mlx.launch`` started (waiting at most
+    ``join_timeout`` seconds) and build only this rank's layers (``model.pipeline``).
     """
     mode = parse_numerics(numerics)
     strategy = resolve_strategy(experts)  # bad values fail before the file is opened
+    if distributed is not None:
+        from ds4_mlx.model import pipeline
+
+        if distributed not in pipeline.MODES:
+            raise LayoutError(f"unknown distributed mode {distributed!r}; expected one of {list(pipeline.MODES)}")
     f, cfg = _open(path)
     try:
-        model = _build(f, cfg, mode, backend, strategy)
+        if distributed is not None:
+            group = pipeline.join(join_timeout)
+            ranges = pipeline.gguf_split(f, cfg.n_layer, group.size())
+            model = _build(f, cfg, mode, backend, strategy, group=group, layers=ranges[group.rank()])
+        else:
+            model = _build(f, cfg, mode, backend, strategy)
         f.check_intact()  # truncated while loading: a clean error naming it, before any use
         return model
     except BaseException:
@@ -160,7 +172,10 @@ def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend:
         raise
 
 
-def _build(f: GGUFFile, cfg: ModelConfig, mode: Numerics, backend: str | None, strategy: str = "host") -> Model:
+def _build(f: GGUFFile, cfg: ModelConfig, mode: Numerics, backend: str | None, strategy: str = "host",
+           group=None, layers: range | None = None) -> Model:
+    """The whole model, or with ``group``: one pipeline rank's part (its ``layers`` only; the output
+    head only on the last rank), so the rank never builds, copies or reads the other layers."""
     w = _Weights(f, backend, strategy)
     emb_name = "token_embd.weight"
     if not w.has(emb_name):
@@ -170,11 +185,20 @@ def _build(f: GGUFFile, cfg: ModelConfig, mode: Numerics, backend: str | None, s
         raise LayoutError(f"{f.path}: {emb_name} must be F16 of shape {(cfg.n_vocab, cfg.n_embd)}, "
                           f"found {embedding.dtype} {embedding.shape}")
     ops = ops_for(mode)  # the numerics, bound once: every module gets this object
-    blocks = [_block(cfg, w, il, ops) for il in range(cfg.n_layer)]
-    output_hc = OutputHC(w.dense("output_hc_fn.weight"), w.f32("output_hc_scale.weight", (1,)),
-                         w.f32("output_hc_base.weight", (cfg.n_hc,)), cfg.hc_eps, cfg.rms_eps, ops)
-    model = Model(cfg, ops, embedding=embedding, blocks=blocks, output_hc=output_hc,
-                  output_norm=w.f32("output_norm.weight", (cfg.n_embd,)), output=w.dense("output.weight"),
-                  source=f)
+    own = range(cfg.n_layer) if layers is None else layers
+    blocks = [_block(cfg, w, il, ops) for il in own]
+    output_hc = output_norm = output = None
+    if own.stop == cfg.n_layer:
+        output_hc = OutputHC(w.dense("output_hc_fn.weight"), w.f32("output_hc_scale.weight", (1,)),
+                             w.f32("output_hc_base.weight", (cfg.n_hc,)), cfg.hc_eps, cfg.rms_eps, ops)
+        output_norm, output = w.f32("output_norm.weight", (cfg.n_embd,)), w.dense("output.weight")
+    parts = dict(embedding=embedding, blocks=blocks, output_hc=output_hc, output_norm=output_norm,
+                 output=output, source=f)
+    if group is None:
+        model = Model(cfg, ops, **parts)
+    else:
+        from ds4_mlx.model.pipeline import PipelineModel
+
+        model = PipelineModel(cfg, ops, group=group, layers=own, **parts)
     model.expert_strategy = strategy  # "device" | "host", as resolved from the load option
     return model

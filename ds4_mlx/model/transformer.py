@@ -119,29 +119,11 @@ class Model:
         tokens = np.asarray(tokens, dtype=np.int64)
         p0 = cache.n_tokens
         cache = cache.copy()  # on an error the caller keeps its cache untouched
-        cache.reserve(p0 + len(tokens) - 1)
-        at = ChunkAt(p0, len(tokens), self.ops)
         H = self.embed(tokens)
+        # the embedding's finiteness rides with the first layer's evaluation
+        H = self.run_blocks(H, tokens, cache, [("the token embedding", _all_finite(H))])
         where = f"positions {p0}..{p0 + len(tokens) - 1}"
-        # Each stage's finiteness is a scalar evaluated in the layer's own mx.eval, so the checks add
-        # no synchronisation; the embedding's rides with layer 0's.
-        pending = [("the token embedding", _all_finite(H))]
-        # A chunk of many tokens reads nearly every expert slab of a layer out of the mapping; those
-        # clean file pages are released layer by layer (the whole GGUF mapping, found through the
-        # embedding's view) so they never pile up; one-token chunks (decode steps) keep theirs.
         release = len(tokens) > 1
-        for block, lc in zip(self.blocks, cache.layers):
-            if self.source is not None and block.il:
-                self.source.check_intact()  # and before each further layer's weights
-            lc.bind(at)
-            H = block(H, tokens, lc)
-            pending.append((f"layer {block.il}", _all_finite(H)))
-            mx.eval(H, *lc.arrays(), *(ok for _, ok in pending))
-            _raise_nonfinite(pending, where, self.source)
-            pending = []
-            if release:
-                allocator.release_file_pages(self.embedding)
-        cache.advance(p0 + len(tokens))
         logits = None
         if want_logits:
             logits = self.head(H[-1:])[0]
@@ -151,6 +133,37 @@ class Model:
         if release:
             allocator.release_file_pages(self.embedding)  # the output matrix, on its first use
         return logits, cache
+
+    def run_blocks(self, H: mx.array, tokens: np.ndarray, cache: ModelCache,
+                   pending: list[tuple[str, mx.array]] | None = None) -> mx.array:
+        """This model's blocks (all of them, or a pipeline rank's range) on a chunk H at positions
+        ``cache.n_tokens``..; fills ``cache`` in place and advances it. ``pending``: earlier stages'
+        finiteness flags, checked with the first layer's."""
+        p0 = cache.n_tokens
+        cache.reserve(p0 + len(tokens) - 1)
+        at = ChunkAt(p0, len(tokens), self.ops)
+        where = f"positions {p0}..{p0 + len(tokens) - 1}"
+        # Each stage's finiteness is a scalar evaluated in the layer's own mx.eval, so the checks add
+        # no synchronisation.
+        pending = list(pending or [])
+        # A chunk of many tokens reads nearly every expert slab of a layer out of the mapping; those
+        # clean file pages are released layer by layer (the whole GGUF mapping, found through the
+        # embedding's view) so they never pile up; one-token chunks (decode steps) keep theirs.
+        release = len(tokens) > 1
+        for block in self.blocks:
+            if self.source is not None and block.il:
+                self.source.check_intact()  # and before each further layer's weights
+            lc = cache.layers[block.il]
+            lc.bind(at)
+            H = block(H, tokens, lc)
+            pending.append((f"layer {block.il}", _all_finite(H)))
+            mx.eval(H, *lc.arrays(), *(ok for _, ok in pending))
+            _raise_nonfinite(pending, where, self.source)
+            pending = []
+            if release:
+                allocator.release_file_pages(self.embedding)
+        cache.advance(p0 + len(tokens))
+        return H
 
     def new_session(self, ctx: int | None = None, chunk: int = 2048, compile: bool | None = None):
         """A model-level ``Runner`` (prefill / eval / logits); users want ``engine.session.Session``."""

@@ -1,0 +1,284 @@
+"""Pipeline-parallel runs (``--distributed pipeline``, ``model/pipeline.py``) on two loopback ranks.
+
+The ranks are started the way users start them, with ``mlx.launch -n 2 --backend ring`` (or, for
+the failure tests, by hand with a hostfile, so that our own handling is tested and not the
+launcher's habit of killing the other ranks). ``mlx.launch`` exits 0 whatever its ranks do, so
+the tests read the ranks' output, not its status.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ds4_mlx.errors import DistributedError, LayoutError
+from ds4_mlx.model.pipeline import gguf_split, split_layers
+
+REPO = Path(__file__).resolve().parents[1]
+LAUNCH = [sys.executable, "-c", "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())"]
+CLI = [sys.executable, "-m", "ds4_mlx.frontends.cli"]
+PROMPT = "Hello, the capital of France is"
+
+
+def _env(**extra) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.update(extra)
+    return {k: v for k, v in env.items() if v is not None}  # None: unset
+
+
+def _run(cmd: list[str], timeout: float = 300, **extra) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, env=_env(**extra), capture_output=True, text=True, timeout=timeout)
+
+
+def _hostfile(tmp_path: Path, n: int = 2) -> Path:
+    ports = []
+    for _ in range(n):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    path = tmp_path / "hosts.json"
+    path.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports]))
+    return path
+
+
+# -- the split (a pure function) -------------------------------------------------------------------
+
+
+def _max_load(ranges, sizes, first, last):
+    loads = [sum(sizes[i] for i in r) for r in ranges]
+    loads[0] += first
+    loads[-1] += last
+    return max(loads)
+
+
+@pytest.mark.parametrize("sizes,n,first,last", [
+    ([10] * 6, 2, 0, 0), ([10] * 6, 3, 0, 0), ([5, 1, 1, 1, 1, 5], 2, 0, 0), ([10] * 43, 2, 30, 40),
+    ([1, 2, 3, 4, 5, 6, 7], 3, 0, 9), ([10, 10], 2, 100, 0), ([3] * 5, 5, 1, 1),
+])
+def test_split_is_contiguous_covering_and_optimal(sizes, n, first, last):
+    ranges = split_layers(sizes, n, first, last)
+    assert len(ranges) == n and ranges[0].start == 0 and ranges[-1].stop == len(sizes)
+    assert all(a.stop == b.start for a, b in zip(ranges, ranges[1:])) and all(len(r) >= 1 for r in ranges)
+    # no other contiguous split has a smaller largest rank (brute force over the cut points)
+    best = min(_max_load([range(a, b) for a, b in zip((0,) + cuts, cuts + (len(sizes),))], sizes, first, last)
+               for cuts in itertools.combinations(range(1, len(sizes)), n - 1))
+    assert _max_load(ranges, sizes, first, last) == best
+    assert split_layers(sizes, n, first, last) == ranges  # deterministic
+
+
+def test_split_balances_bytes_not_layer_counts():
+    assert split_layers([1, 1, 1, 1, 8], 2) == [range(0, 4), range(4, 5)]
+    assert split_layers([10] * 4, 2, first_extra=20) == [range(0, 1), range(1, 4)]
+
+
+@pytest.mark.parametrize("n", [7, 0, -1])
+def test_split_refuses_impossible_rank_counts(n):
+    with pytest.raises(DistributedError, match="ranks"):
+        split_layers([1] * 6, n)
+
+
+def test_gguf_split_of_the_tiny_model(tiny_model_path):
+    from ds4_mlx.formats.layout import load_model_file
+
+    f, cfg, _ = load_model_file(tiny_model_path)
+    try:
+        ranges = gguf_split(f, cfg.n_layer, 2)
+    finally:
+        f.close()
+    assert [len(r) for r in ranges] and ranges[0].start == 0 and ranges[-1].stop == cfg.n_layer
+    assert ranges[0].stop == ranges[1].start
+
+
+# -- bad combinations: one line, before anything runs -------------------------------------------------
+
+
+def test_pipeline_without_a_launcher_is_one_line(tiny_model_path):
+    env = {k: None for k in ("MLX_HOSTFILE", "MLX_RANK")}
+    r = _run(CLI + ["generate", "-m", str(tiny_model_path), "-p", "hi", "--distributed", "pipeline"], timeout=120,
+             **env)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "ds4-mlx generate: error: --distributed pipeline needs two or more ranks: start every rank with "
+        "mlx.launch (e.g. mlx.launch -n 2 --backend ring -- ds4-mlx generate ...)"]
+
+
+def test_unknown_mode_is_refused(capsys, tiny_model_path):
+    from ds4_mlx.frontends.cli import main
+    import ds4_mlx
+
+    assert main(["generate", "-m", str(tiny_model_path), "-p", "hi", "--distributed", "experts"]) == 2
+    assert "invalid choice: 'experts'" in capsys.readouterr().err
+    with pytest.raises(LayoutError, match="unknown distributed mode 'tensor'"):
+        ds4_mlx.load(tiny_model_path, distributed="tensor")
+
+
+def test_disk_cache_with_distributed_is_refused(capsys, tiny_model_path, tmp_path):
+    from ds4_mlx.frontends.cli import main
+
+    assert main(["generate", "-m", str(tiny_model_path), "-p", "hi", "--distributed", "pipeline",
+                 "--kv-disk-dir", str(tmp_path)]) == 2
+    assert "--kv-disk-dir does not work with --distributed yet" in capsys.readouterr().err
+
+
+# -- two ranks on loopback ---------------------------------------------------------------------------
+
+
+def _generate_args(model, prompt_file, out, numerics) -> list[str]:
+    return ["generate", "-m", str(model), "--prompt-file", str(prompt_file), "--raw", "--temp", "0", "-n", "6",
+            "--numerics", numerics, "--dump-logprobs", str(out)]
+
+
+@pytest.mark.parametrize("numerics", ["ds4-cpu", "default"])
+def test_pipeline_is_bit_identical_to_one_process(tiny_model_path, tmp_path, numerics):
+    """The issue's acceptance line, literally: same greedy tokens, bit-identical logprobs."""
+    prompt = tmp_path / "P"
+    prompt.write_text(PROMPT)
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    r1 = _run(CLI + _generate_args(tiny_model_path, prompt, one, numerics))
+    assert r1.returncode == 0, r1.stderr
+    r2 = _run(LAUNCH + ["-n", "2", "--backend", "ring", "--"] + CLI
+              + _generate_args(tiny_model_path, prompt, two, numerics) + ["--distributed", "pipeline"])
+    assert two.exists(), r2.stdout + r2.stderr
+    assert r2.stderr.count("wrote 6 steps") == 1, r2.stderr  # rank 0 alone writes and reports
+    a, b = json.loads(one.read_text()), json.loads(two.read_text())
+    assert [s["selected"]["id"] for s in a["steps"]] == [s["selected"]["id"] for s in b["steps"]]
+    assert one.read_bytes() == two.read_bytes()  # every logprob and logit, to the last bit
+
+
+_RANK_SCRIPT = """
+import sys
+import numpy as np
+from ds4_mlx.errors import DistributedError
+from ds4_mlx.model.loader import load
+from ds4_mlx.engine.session import Session
+
+m = load(sys.argv[1], numerics="ds4-cpu", distributed="pipeline")
+print(f"rank {m.rank}: layers {[b.il for b in m.blocks]} head {m.output is not None}", flush=True)
+if m.rank:
+    m.follow()
+    print(f"rank {m.rank}: stopped", flush=True)
+    sys.exit(0)
+s = Session(m, ctx=64)
+s.sync([0, 5, 9, 11])
+snap = s.snapshot()
+s.eval(int(np.argmax(s.logits())))
+s.restore(snap)
+try:
+    s.eval(3)
+except DistributedError as exc:
+    print(f"rank 0: refused: {exc}", flush=True)
+"""
+
+
+def test_each_rank_builds_only_its_layers_and_refuses_foreign_states(tiny_model_path, tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text(_RANK_SCRIPT)
+    r = _run(LAUNCH + ["-n", "2", "--backend", "ring", "--", sys.executable, str(script), str(tiny_model_path)])
+    lines = sorted(r.stdout.splitlines())
+    assert len(lines) == 4, r.stdout + r.stderr
+    r0, r1 = lines[0], lines[2]
+    assert r0.startswith("rank 0: layers [0") and r0.endswith("head False")
+    assert r1.startswith("rank 1: layers [") and r1.endswith("5] head True")
+    own0 = json.loads(r0.split("layers ")[1].split(" head")[0])
+    own1 = json.loads(r1.split("layers ")[1].split(" head")[0])
+    assert own0 + own1 == list(range(6))
+    assert lines[1].startswith("rank 0: refused: a distributed (pipeline) session can only continue its live state")
+    assert lines[3] == "rank 1: stopped"  # rank 0's exit stopped it
+
+
+# -- failure: bounded, one line ------------------------------------------------------------------------
+
+
+def test_a_rank_that_never_joins_ends_the_run(tiny_model_path, tmp_path):
+    hosts = _hostfile(tmp_path)
+    t0 = time.monotonic()
+    r = _run(CLI + ["generate", "-m", str(tiny_model_path), "-p", "hi", "--distributed", "pipeline"], timeout=60,
+             MLX_HOSTFILE=str(hosts), MLX_RANK="0", DS4_MLX_DIST_TIMEOUT="3")
+    assert time.monotonic() - t0 < 30
+    assert r.returncode != 0
+    assert r.stderr.strip().splitlines() == [
+        "ds4-mlx: error: rank 0: the other ranks did not join within 3 s "
+        "(is every host of the hostfile running the same command?)"]
+
+
+def test_a_killed_rank_ends_the_run_cleanly(tiny_model_path, tmp_path):
+    """Rank 1 is SIGKILLed mid-generation: rank 0 stops within a bound with one error line."""
+    hosts = _hostfile(tmp_path)
+    cmd = CLI + ["generate", "-m", str(tiny_model_path), "-p", PROMPT, "--raw", "--temp", "0", "-n", "400",
+                 "--distributed", "pipeline"]
+    r1 = subprocess.Popen(cmd, env=_env(MLX_HOSTFILE=str(hosts), MLX_RANK="1"), stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+    r0 = subprocess.Popen(cmd, env=_env(MLX_HOSTFILE=str(hosts), MLX_RANK="0"), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE)
+    try:
+        assert r0.stdout.read(1), "rank 0 printed nothing"  # generation has started
+        r1.send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        r0.wait(timeout=60)
+        assert time.monotonic() - t0 < 30
+        err = r0.stderr.read().decode()
+    finally:
+        for p in (r0, r1):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert r0.returncode == 2, err
+    ours = [line for line in err.splitlines() if line.startswith("ds4-mlx")]
+    assert len(ours) == 1 and ours[0].startswith(
+        "ds4-mlx generate: error: rank 0: lost the connection to the other ranks (one exited or was killed)"), err
+    assert "Traceback" not in err
+
+
+def test_a_killed_rank_0_ends_the_other_rank(tiny_model_path, tmp_path):
+    """The driver dies mid-generation: the follower stops within a bound with one error line."""
+    hosts = _hostfile(tmp_path)
+    cmd = CLI + ["generate", "-m", str(tiny_model_path), "-p", PROMPT, "--raw", "--temp", "0", "-n", "400",
+                 "--distributed", "pipeline"]
+    r1 = subprocess.Popen(cmd, env=_env(MLX_HOSTFILE=str(hosts), MLX_RANK="1"), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE)
+    r0 = subprocess.Popen(cmd, env=_env(MLX_HOSTFILE=str(hosts), MLX_RANK="0"), stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL)
+    try:
+        assert r0.stdout.read(1), "rank 0 printed nothing"
+        r0.send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        r1.wait(timeout=60)
+        assert time.monotonic() - t0 < 30
+        out, err = r1.communicate()
+    finally:
+        for p in (r0, r1):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert r1.returncode == 2, err
+    assert out == b""  # only rank 0 prints text
+    ours = [line for line in err.decode().splitlines() if line.startswith("ds4-mlx")]
+    assert len(ours) == 1 and ours[0].startswith(
+        "ds4-mlx generate: error: rank 1: lost the connection to the other ranks"), err
+
+
+def test_more_ranks_than_layers_is_one_line_on_every_rank(small_model_path):
+    """The 4-layer small model on 5 ranks."""
+    r = _run(LAUNCH + ["-n", "5", "--backend", "ring", "--"] + CLI
+             + ["generate", "-m", str(small_model_path), "-p", "hi", "--distributed", "pipeline"], timeout=300)
+    lines = [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("ds4-mlx")]
+    assert lines == ["ds4-mlx generate: error: 5 ranks but the model has only 4 layers: "
+                     "a pipeline needs at least one layer per rank"] * 5, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("value,why", [("abc", "is not a number of seconds"), ("0", "must be a finite number"),
+                                       ("inf", "must be a finite number"), ("nan", "must be a finite number")])
+def test_bad_join_timeout_is_one_line(tiny_model_path, tmp_path, value, why):
+    r = _run(CLI + ["generate", "-m", str(tiny_model_path), "-p", "hi", "--distributed", "pipeline"], timeout=60,
+             MLX_HOSTFILE=str(_hostfile(tmp_path)), MLX_RANK="0", DS4_MLX_DIST_TIMEOUT=value)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and why in r.stderr, r.stderr
