@@ -24,6 +24,7 @@ from ds4_mlx.model.hyper_connection import HyperConnection, OutputHC
 from ds4_mlx.model.indexer import Indexer
 from ds4_mlx.model.linear import DenseWeight
 from ds4_mlx.model.moe import MoE
+from ds4_mlx.model import pipeline
 from ds4_mlx.model.ops import DefaultOps, Numerics, ops_for
 from ds4_mlx.model.rope import Rope
 from ds4_mlx.model.transformer import Block, Model
@@ -152,11 +153,8 @@ def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend:
     """
     mode = parse_numerics(numerics)
     strategy = resolve_strategy(experts)  # bad values fail before the file is opened
-    if distributed is not None:
-        from ds4_mlx.model import pipeline
-
-        if distributed not in pipeline.MODES:
-            raise LayoutError(f"unknown distributed mode {distributed!r}; expected one of {list(pipeline.MODES)}")
+    if distributed is not None and distributed not in pipeline.MODES:
+        raise LayoutError(f"unknown distributed mode {distributed!r}; expected one of {list(pipeline.MODES)}")
     f, cfg = _open(path)
     try:
         if distributed is not None:
@@ -197,8 +195,6 @@ def _build(f: GGUFFile, cfg: ModelConfig, mode: Numerics, backend: str | None, s
     if group is None:
         model = Model(cfg, ops, **parts)
     else:
-        from ds4_mlx.model.pipeline import PipelineModel
-
-        model = PipelineModel(cfg, ops, group=group, layers=own, **parts)
+        model = pipeline.PipelineModel(cfg, ops, group=group, layers=own, **parts)
     model.expert_strategy = strategy  # "device" | "host", as resolved from the load option
     return model

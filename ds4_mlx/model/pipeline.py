@@ -38,7 +38,7 @@ import numpy as np
 
 from ds4_mlx.errors import DistributedError, InferenceError
 from ds4_mlx.model.cache import ModelCache
-from ds4_mlx.model.transformer import Model, _all_finite, _raise_nonfinite
+from ds4_mlx.model.transformer import Model, all_finite, raise_nonfinite
 
 MODES = ("pipeline",)
 DEFAULT_JOIN_TIMEOUT_S = 120.0
@@ -245,12 +245,12 @@ class PipelineModel(Model):
         new = cache.copy()  # on an error here the caller keeps its cache, the other ranks theirs
         with self.ops.stream():
             H = self.embed(tokens)
-            H = self.run_blocks(H, tokens, new, [("the token embedding", _all_finite(H))])
+            H = self.run_blocks(H, tokens, new, [("the token embedding", all_finite(H))])
         self._pass_on(self._header(_CHUNK, cache.n_tokens, len(tokens), want_logits, reset, H), tokens, H)
         self._mirrored = new
         logits = self._recv_logits() if want_logits else None
         if logits is not None:
-            _raise_nonfinite([("the output head", _all_finite(logits))],
+            raise_nonfinite([("the output head", all_finite(logits))],
                              f"positions {cache.n_tokens}..{cache.n_tokens + len(tokens) - 1}", self.source)
         return logits, new
 

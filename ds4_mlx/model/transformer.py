@@ -121,15 +121,15 @@ class Model:
         cache = cache.copy()  # on an error the caller keeps its cache untouched
         H = self.embed(tokens)
         # the embedding's finiteness rides with the first layer's evaluation
-        H = self.run_blocks(H, tokens, cache, [("the token embedding", _all_finite(H))])
+        H = self.run_blocks(H, tokens, cache, [("the token embedding", all_finite(H))])
         where = f"positions {p0}..{p0 + len(tokens) - 1}"
         release = len(tokens) > 1
         logits = None
         if want_logits:
             logits = self.head(H[-1:])[0]
-            ok = _all_finite(logits)
+            ok = all_finite(logits)
             mx.eval(logits, ok)
-            _raise_nonfinite([("the output head", ok)], where, self.source)
+            raise_nonfinite([("the output head", ok)], where, self.source)
         if release:
             allocator.release_file_pages(self.embedding)  # the output matrix, on its first use
         return logits, cache
@@ -156,9 +156,9 @@ class Model:
             lc = cache.layers[block.il]
             lc.bind(at)
             H = block(H, tokens, lc)
-            pending.append((f"layer {block.il}", _all_finite(H)))
+            pending.append((f"layer {block.il}", all_finite(H)))
             mx.eval(H, *lc.arrays(), *(ok for _, ok in pending))
-            _raise_nonfinite(pending, where, self.source)
+            raise_nonfinite(pending, where, self.source)
             pending = []
             if release:
                 allocator.release_file_pages(self.embedding)
@@ -170,12 +170,12 @@ class Model:
         return Runner(self, ctx=ctx, chunk=chunk, compile=compile)
 
 
-def _all_finite(x: mx.array) -> mx.array:
+def all_finite(x: mx.array) -> mx.array:
     """A lazy boolean scalar: no NaN/Inf in ``x``."""
     return mx.all(mx.isfinite(x))
 
 
-def _raise_nonfinite(checks: list[tuple[str, mx.array]], where: str, source) -> None:
+def raise_nonfinite(checks: list[tuple[str, mx.array]], where: str, source) -> None:
     """Raise ``NonFiniteError`` naming the first stage in ``checks`` ((what, evaluated flag) in
     order) whose output holds NaN/Inf.
 
