@@ -15,7 +15,11 @@ import sys
 
 from pexpect.popen_spawn import PopenSpawn
 
-_LAUNCHER = ("import os, pty, sys\n"
+# Default SIGINT/SIGHUP/SIGQUIT first, as a terminal session starts: a test run started in the background
+# (nohup, `&` in a script) ignores them, and a program that starts with SIGINT ignored never sees Ctrl-C at
+# its readline prompt.
+_LAUNCHER = ("import os, pty, signal, sys\n"
+             "for s in (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT): signal.signal(s, signal.SIG_DFL)\n"
              "status = pty.spawn(sys.argv[1:])\n"
              "sys.exit(os.waitstatus_to_exitcode(status) if status is not None else 0)\n")
 
