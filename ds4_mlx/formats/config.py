@@ -373,8 +373,6 @@ class ModelConfig:
                         f"{getattr(self, name)}, expected {want}")
 
 
-
-
 def _real_value(key: str) -> str:
     attr = _ATTR_OF_KEY.get(key)
     real = REAL_FLASH[attr] if attr is not None else REAL_OTHER.get(key)
