@@ -63,6 +63,7 @@ import ds4_mlx  # noqa: F401  (first: binds MLX to a fast BLAS before mlx.core l
 import mlx.core as mx
 import numpy as np
 
+from ds4_mlx.errors import Ds4Error
 from ds4_mlx.formats.config import ModelConfig
 from ds4_mlx.formats.ggml_types import GGMLType
 from ds4_mlx.formats.quants import dequantize
@@ -460,18 +461,12 @@ def main(argv: list[str] | None = None) -> int:
     log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
     try:
         result = run(args, peer_mod, log)
-    except (PeerError, ds4_mlx_errors()) as exc:
+    except (PeerError, Ds4Error) as exc:
         print(f"bench_peer: {exc}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(result))
     return 0
-
-
-def ds4_mlx_errors():
-    from ds4_mlx.errors import Ds4Error
-
-    return Ds4Error
 
 
 def read_prompt(path: Path) -> str:
