@@ -62,6 +62,7 @@ from pathlib import Path
 import ds4_mlx  # noqa: F401  (first: binds MLX to a fast BLAS before mlx.core loads)
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
 from ds4_mlx.errors import Ds4Error
 from ds4_mlx.formats.config import ModelConfig
@@ -240,7 +241,7 @@ def build_peer(mod, gguf, cfg: ModelConfig, dtype=mx.float32):
     # strict both ways: every parameter of the peer's model is given (nothing left at its init values) and
     # every weight given lands on a parameter of the same shape (another revision of the port could rename one)
     weights = peer_weights(gguf, cfg, dtype)
-    params = dict(_flat(model.parameters()))
+    params = dict(tree_flatten(model.parameters()))
     for name, w in weights:
         if name not in params:
             raise PeerError(f"the peer's model has no parameter {name!r} (not the PR #1192 port's names?)")
@@ -259,12 +260,6 @@ def build_peer(mod, gguf, cfg: ModelConfig, dtype=mx.float32):
     model.eval()
     mx.eval(model.parameters())
     return model
-
-
-def _flat(tree, prefix=""):
-    from mlx.utils import tree_flatten
-
-    return tree_flatten(tree, prefix)
 
 
 class PeerRunner:
