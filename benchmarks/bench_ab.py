@@ -41,39 +41,11 @@ REPO = HERE.parent.parent
 # --- worker (runs inside one tree) ------------------------------------------------------------------
 
 
-class _Counts:
-    arrays = 0
-    evals = 0
-
-
-def _install_counters(mx) -> None:
-    """Count ``mx.array(...)`` constructions and ``mx.eval`` calls made through the module attribute
-    (how the package calls them); ``isinstance(x, mx.array)`` keeps working."""
-    real_array, real_eval = mx.array, mx.eval
-
-    class _Meta(type):
-        def __instancecheck__(cls, obj):
-            return isinstance(obj, real_array)
-
-        def __call__(cls, *args, **kwargs):
-            _Counts.arrays += 1
-            return real_array(*args, **kwargs)
-
-    class CountingArray(metaclass=_Meta):
-        pass
-
-    def counting_eval(*args, **kwargs):
-        _Counts.evals += 1
-        return real_eval(*args, **kwargs)
-
-    mx.array, mx.eval = CountingArray, counting_eval
-
-
 def worker(args) -> int:
     import ds4_mlx
-    import mlx.core as mx
     import numpy as np
     from ds4_mlx.engine import sampling
+    from host_traffic import HostTraffic  # this script's folder, whichever tree is measured
 
     model = ds4_mlx.load(args.model, numerics="default")
     cfg = model.config
@@ -106,11 +78,11 @@ def worker(args) -> int:
             times, toks = turn()
             print(json.dumps({"times": times, "tokens": toks}), flush=True)
         elif cmd == "count":
-            _install_counters(mx)
-            _Counts.arrays = _Counts.evals = 0
-            turn()
-            print(json.dumps({"arrays": _Counts.arrays / args.decode, "evals": _Counts.evals / args.decode}),
-                  flush=True)
+            with HostTraffic() as traffic:
+                turn()
+            arrays = sum(n for (_, kind), n in traffic.by_site.items() if kind == "mx.array")
+            print(json.dumps({"arrays": arrays / args.decode,
+                              "evals": traffic.by_kind.get("mx.eval", 0) / args.decode}), flush=True)
         else:
             break
     return 0

@@ -34,8 +34,9 @@ Reported:
 around the timed decode loop: evaluations, reads and numpy conversions of MLX arrays; bytes copied
 to the host and handed from the host to MLX, plus expert slabs copied out of the mmap),
 ``engine_host_syncs_per_token`` (the same count for the engine's ``Session`` loop, which evaluates
-the step and then copies the logits to numpy to sample on the host), ``weight_bytes_per_token`` (GGUF bytes a decoded token's matmuls read: the dense weights, its
-embedding row, k experts of each routed tensor), ``expert_bytes_resident`` (the device strategy's
+the step and then copies the logits to numpy to sample on the host), ``weight_bytes_per_token``
+(GGUF bytes a decoded token's matmuls read: the dense weights, its embedding row, k experts of each
+routed tensor), ``expert_bytes_resident`` (the device strategy's
 copy of the expert blocks), ``peak_rss_bytes`` (VmHWM). Its decode loop is the compiled step with the
 greedy choice on the device: ``step(evaluate=False)``, ``argmax`` of the logits made to depend on the
 new cache arrays, and the token's ``.item()`` -- the one read the host cannot avoid. So the device
@@ -233,7 +234,7 @@ def run(path: Path, args) -> int:
     # bytes per decoded token (counters of the last compiled run: n_dec tokens)
     d_bytes, d_params = dense_params(model)
     emb_row = cfg.n_embd * 2
-    if getattr(model, "expert_strategy", "host") == "device":
+    if model.expert_strategy == "device":
         # the device strategy's compiled step routes inside the trace, where the counters run only
         # while tracing: count what each token selects instead (k distinct experts per tensor)
         for e in experts:
@@ -261,11 +262,6 @@ def weight_bytes_per_token(model) -> int:
     cfg = model.config
     d_bytes, _ = dense_params(model)
     return d_bytes + cfg.n_embd * 2 + sum(cfg.n_expert_used * e.expert_nbytes for e in experts_of(model))
-
-
-def backend_name() -> str:
-    """"metal" / "cuda" when MLX runs on that GPU, else "cpu"."""
-    return gpu_backend() or "cpu"
 
 
 def greedy_decode(model, cache: ModelCache, token: int, n: int) -> tuple[list[int], list[float]]:
@@ -301,8 +297,9 @@ def engine_loop_syncs(model, cache: ModelCache, token: int, n: int) -> float:
 def measure(path, experts: str = "auto", n_prefill: int = 512, n_decode: int = 16, seed: int = 0,
             warmup: int = 2) -> dict:
     """The ``--json`` measurement (module docstring): load with ``experts``, a 16-token warm-up
-    prefill (first-use weight dequantization), one timed cold prefill of ``n_prefill`` random tokens, ``warmup`` untimed decode steps (the traces), then ``n_decode``
-    timed steps with host traffic counted."""
+    prefill (first-use weight dequantization), one timed cold prefill of ``n_prefill`` random
+    tokens, ``warmup`` untimed decode steps (the traces), then ``n_decode`` timed steps with host
+    traffic counted."""
     engine = ds4_mlx.load(path, numerics="default", experts=experts)
     model = engine.network
     cfg = model.config
@@ -329,7 +326,7 @@ def measure(path, experts: str = "auto", n_prefill: int = 512, n_decode: int = 1
     return {
         "model": str(path),
         "strategy": engine.experts,
-        "backend": backend_name(),
+        "backend": gpu_backend() or "cpu",  # "metal" / "cuda" when MLX runs on that GPU
         "numerics": engine.numerics,
         "prefill_tokens": int(n_prefill),
         "prefill_tps": n_prefill / t_prefill,

@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import lzma
 import math
 import os
 import statistics
@@ -61,13 +62,16 @@ from pathlib import Path
 import ds4_mlx  # noqa: F401  (first: binds MLX to a fast BLAS before mlx.core loads)
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
+from ds4_mlx.errors import Ds4Error
 from ds4_mlx.formats.config import ModelConfig
 from ds4_mlx.formats.ggml_types import GGMLType
 from ds4_mlx.formats.quants import dequantize
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_PROMPT = HERE / "peer_prompt.txt"  # the opening of Manzoni's I promessi sposi (public domain)
+# Manzoni's I promessi sposi (public domain), as the tokenizer tests hold it: its opening is the prompt
+DEFAULT_PROMPT = HERE.parent / "tests" / "data" / "bench-data" / "promessi_sposi.txt.xz"
 GET_PEER = ("git clone https://github.com/ml-explore/mlx-lm PATH && git -C PATH fetch origin pull/1192/head "
             "&& git -C PATH checkout FETCH_HEAD")
 PEER_MODULES = ("deepseek_v4", "hyper_connection", "cache", "base", "mla", "switch_layers", "pipeline")
@@ -237,7 +241,7 @@ def build_peer(mod, gguf, cfg: ModelConfig, dtype=mx.float32):
     # strict both ways: every parameter of the peer's model is given (nothing left at its init values) and
     # every weight given lands on a parameter of the same shape (another revision of the port could rename one)
     weights = peer_weights(gguf, cfg, dtype)
-    params = dict(_flat(model.parameters()))
+    params = dict(tree_flatten(model.parameters()))
     for name, w in weights:
         if name not in params:
             raise PeerError(f"the peer's model has no parameter {name!r} (not the PR #1192 port's names?)")
@@ -256,12 +260,6 @@ def build_peer(mod, gguf, cfg: ModelConfig, dtype=mx.float32):
     model.eval()
     mx.eval(model.parameters())
     return model
-
-
-def _flat(tree, prefix=""):
-    from mlx.utils import tree_flatten
-
-    return tree_flatten(tree, prefix)
 
 
 class PeerRunner:
@@ -458,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
     try:
         result = run(args, peer_mod, log)
-    except (PeerError, ds4_mlx_errors()) as exc:
+    except (PeerError, Ds4Error) as exc:
         print(f"bench_peer: {exc}", file=sys.stderr)
         return 2
     if args.json:
@@ -466,17 +464,34 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def ds4_mlx_errors():
-    from ds4_mlx.errors import Ds4Error
+def read_prompt(path: Path) -> str:
+    """The text of a prompt file, decompressed when its name ends in ``.xz``."""
+    try:
+        if path.suffix == ".xz":
+            with lzma.open(path, "rt", encoding="utf-8") as fh:
+                return fh.read()
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError, lzma.LZMAError, EOFError) as exc:
+        raise PeerError(f"cannot read the prompt file {path}: {exc}") from None
 
-    return Ds4Error
+
+def prompt_ids(tokenizer, bos: int, text: str, n: int) -> list[int] | None:
+    """BOS + the text's first tokens, ``n`` in all (None when the text holds fewer). Only a prefix is
+    encoded (the novel is ~417k tokens, seconds to encode): up to a line end past 16 characters per
+    token wanted, longer while that gives fewer than n + 16 tokens; the margin keeps the cut's
+    pre-tokenizer chunk clear of the tokens kept, so they are those of the whole text."""
+    end = 16 * n
+    while True:
+        cut = text.find("\n", end)
+        cut = len(text) if cut < 0 else cut
+        ids = [bos] + tokenizer.encode(text[:cut])
+        if len(ids) >= n + 16 or cut == len(text):
+            return ids[:n] if len(ids) >= n else None
+        end = 2 * cut
 
 
 def run(args, peer_mod, log) -> dict:
-    try:
-        text = args.prompt_file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PeerError(f"cannot read the prompt file {args.prompt_file}: {exc}") from None
+    text = read_prompt(args.prompt_file)
     t0 = time.perf_counter()
     engine = ds4_mlx.load(args.model, numerics="default")
     t_ours = time.perf_counter() - t0
@@ -485,11 +500,10 @@ def run(args, peer_mod, log) -> dict:
     peer_model = build_peer(peer_mod, engine.network.source, cfg, mx.float32)
     t_peer = time.perf_counter() - t0
 
-    ids = [engine.bos_id] + engine.tokenizer.encode(text)
-    if len(ids) < args.prompt_tokens:
-        raise PeerError(f"{args.prompt_file} gives {len(ids)} tokens (with BOS), fewer than --prompt-tokens "
-                        f"{args.prompt_tokens}")
-    prompt = ids[:args.prompt_tokens]
+    prompt = prompt_ids(engine.tokenizer, engine.bos_id, text, args.prompt_tokens)
+    if prompt is None:
+        raise PeerError(f"{args.prompt_file} gives fewer than --prompt-tokens {args.prompt_tokens} tokens "
+                        "(with BOS)")
     ours = OursRunner(engine, ctx=len(prompt) + args.decode + 8)
     peer = PeerRunner(peer_model)
     log(f"model {args.model}: {cfg.n_layer} layers, n_embd {cfg.n_embd}, {cfg.n_expert} experts "
@@ -506,7 +520,7 @@ def run(args, peer_mod, log) -> dict:
     }
 
     if args.check_tokens:
-        short = ids[:args.check_tokens]
+        short = prompt[:args.check_tokens]
         _, lo = ours.prefill(short)
         _, _, lp = peer.prefill(short)
         ours_greedy = ours.greedy(short, args.check_decode + 1)

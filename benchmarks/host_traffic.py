@@ -14,12 +14,18 @@ reaches MLX results or hands data to MLX, and counts:
 * ``to_device_bytes``: bytes handed to MLX by ``mx.array(...)`` from host data (numpy arrays,
   Python lists), i.e. host->MLX copies; ``mx.array`` of an MLX array copies nothing and is not counted.
 
-``host_bytes`` = to_host_bytes + to_device_bytes. The patch replaces ``mx.array`` by a class that
+``host_bytes`` = to_host_bytes + to_device_bytes. ``by_site`` counts the same events, and every
+``mx.array(...)`` construction (of MLX data too), by (basename of the calling source file, kind),
+to say which file of the package does the host work. The patch replaces ``mx.array`` by a class that
 constructs real MLX arrays and answers ``isinstance`` for them; it is a benchmark and test helper
 and never installed by the package.
 """
 
 from __future__ import annotations
+
+import collections
+import os
+import sys
 
 import mlx.core as mx
 import numpy as np
@@ -50,6 +56,7 @@ class HostTraffic:
         self.to_host_bytes = 0
         self.to_device_bytes = 0
         self.by_kind: dict[str, int] = {}
+        self.by_site: collections.Counter[tuple[str, str]] = collections.Counter()
         self._saved: list[tuple[object, str, object]] = []
 
     @property
@@ -60,6 +67,13 @@ class HostTraffic:
         self.syncs += 1
         self.to_host_bytes += nbytes
         self.by_kind[kind] = self.by_kind.get(kind, 0) + 1
+        self._site(kind)
+
+    def _site(self, kind: str) -> None:
+        frame = sys._getframe(1)
+        while frame.f_code.co_filename == __file__:  # out of this module's wrappers, to their caller
+            frame = frame.f_back
+        self.by_site[(os.path.basename(frame.f_code.co_filename), kind)] += 1
 
     def _patch(self, owner, name: str, value) -> None:
         self._saved.append((owner, name, getattr(owner, name)))
@@ -109,6 +123,7 @@ class HostTraffic:
         class CountingArray(metaclass=_Meta):
             def __new__(cls, data, *args, **kwargs):
                 counter.to_device_bytes += _host_nbytes(data)
+                counter._site("mx.array")
                 return _REAL_ARRAY(data, *args, **kwargs)
 
         self._patch(mx, "array", CountingArray)

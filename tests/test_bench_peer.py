@@ -134,11 +134,15 @@ def test_bad_counts_get_one_line(tiny_model_path, bad, what):
     assert len(lines) == 1 and lines[0].startswith("bench_peer: ") and what in lines[0], r.stderr
 
 
-def test_the_committed_prompt_gives_993_tokens(tiny_model_path):
-    """The issue's figure is on a 993-token prompt: the committed text must hold that many with BOS."""
+def test_the_default_prompt_is_the_novels_first_993_tokens(tiny_model_path, bench_peer):
+    """The issue's figure is on a 993-token prompt: the default text holds that many with BOS, and the
+    prefix the script encodes gives exactly the whole text's first tokens."""
     from ds4_mlx.tokenizer import Tokenizer
 
     with GGUFFile(tiny_model_path) as g:
         tok = Tokenizer.from_gguf(g)
-        n = 1 + len(tok.encode((REPO / "benchmarks" / "peer_prompt.txt").read_text(encoding="utf-8")))
-    assert n >= 993
+    text = bench_peer.read_prompt(bench_peer.DEFAULT_PROMPT)
+    whole = [0] + tok.encode(text)
+    for n in (24, 993, 5000):
+        assert bench_peer.prompt_ids(tok, 0, text, n) == whole[:n]
+    assert bench_peer.prompt_ids(tok, 0, text[:2000], 993) is None  # too short: refused, not truncated

@@ -3,6 +3,9 @@ from host data, and that the leaner host paths compute the same bits as the ones
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -12,7 +15,9 @@ from ds4_mlx.model import experts as ex
 from ds4_mlx.model import metal_kernels
 from ds4_mlx.synth import q2_k_random_blocks
 
-from host_arrays import counting
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from host_traffic import HostTraffic  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -29,14 +34,14 @@ def test_steady_decode_step_builds_no_rope_or_expert_index_arrays(model):
     for t in (5, 6, 7):  # enter decode; traces; the RoPE block of these positions
         s.eval(t)
     steps = 6
-    with counting() as counts:
+    with HostTraffic() as traffic:
         for t in range(steps):
             s.eval(100 + t)
             s.logits()
-    per_token = {k: v / steps for k, v in counts.items()}
+    per_token = {k: v / steps for k, v in traffic.by_site.items()}
     # the position scalar; nothing per layer
-    assert per_token.get(("compiled_decode.py", "array"), 0) <= 1, per_token
-    assert per_token.get(("metal_kernels.py", "array"), 0) == 0, per_token
+    assert per_token.get(("compiled_decode.py", "mx.array"), 0) <= 1, per_token
+    assert per_token.get(("metal_kernels.py", "mx.array"), 0) == 0, per_token
     # (experts.py copies slabs into MLX on expert-cache misses only: host data that must come in)
 
 

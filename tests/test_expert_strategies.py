@@ -205,6 +205,9 @@ def test_counter_counts_each_kind_of_read_and_uninstalls():
     assert t.syncs == 10
     assert t.to_device_bytes == 32
     assert t.to_host_bytes == 4 + 16 + 4 + 4 + 4 + 16 * 3
+    here = Path(__file__).name  # by_site names the calling file, not the counter's wrappers
+    assert t.by_site[(here, "mx.array")] == 2 and t.by_site[(here, "mx.eval")] == 1
+    assert sum(t.by_site.values()) == t.syncs + 2
     assert mx.eval is real_eval and mx.array is real_array  # uninstalled
     with HostTraffic() as t2:
         pass

@@ -38,20 +38,16 @@ def test_nonfinite_layer_is_named_and_state_untouched(small_model_path, tmp_path
     assert state.n_tokens == 0  # the caller's state is left as it was
 
 
-def test_nonfinite_embedding_is_named_before_any_layer(small_model_path, tmp_path):
+@pytest.mark.parametrize("tensor,value,part", [
     # the embedding's flag is evaluated together with layer 0's: the embedding must still be named
-    bad = tmp_path / "bad_embd.gguf"
-    _poison(small_model_path, bad, "token_embd.weight", np.inf)
+    ("token_embd.weight", np.inf, "the token embedding"),
+    ("output_norm.weight", np.nan, "the output head"),
+])
+def test_nonfinite_embedding_and_head_are_named(small_model_path, tmp_path, tensor, value, part):
+    bad = tmp_path / "bad.gguf"
+    _poison(small_model_path, bad, tensor, value)
     net = load_network(bad)
-    with pytest.raises(NonFiniteError, match="the token embedding produced non-finite values"):
-        net.forward_chunk(np.arange(1, 4), ModelCache.empty(net.config))
-
-
-def test_nonfinite_output_head_is_named(small_model_path, tmp_path):
-    bad = tmp_path / "bad_head.gguf"
-    _poison(small_model_path, bad, "output_norm.weight", np.nan)
-    net = load_network(bad)
-    with pytest.raises(NonFiniteError, match="the output head produced non-finite values"):
+    with pytest.raises(NonFiniteError, match=f"{part} produced non-finite values"):
         net.forward_chunk(np.arange(1, 4), ModelCache.empty(net.config))
 
 

@@ -182,7 +182,9 @@ def test_top_logprobs_matches_float64_softmax():
 
 
 def full_sort_sample(logits, params, rng):
-    """``sample`` as it was with a full stable argsort of the vocabulary (the oracle of the prefix sort)."""
+    """``sample`` as it was with a full stable argsort of the vocabulary (the oracle of the prefix sort).
+    A frozen copy on purpose, ``filter_sorted`` included: an oracle built from the package's current
+    pieces would change along with them and could no longer catch a change in the draws."""
     from ds4_mlx.engine.sampling import TOP_K_CAP, _draw
 
     def filter_sorted(probs, total, top_p, min_p):
