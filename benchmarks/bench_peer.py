@@ -69,9 +69,11 @@ from ds4_mlx.formats.config import ModelConfig
 from ds4_mlx.formats.ggml_types import GGMLType
 from ds4_mlx.formats.quants import dequantize
 
+from bench_util import BENCH_DATA, read_text
+
 HERE = Path(__file__).resolve().parent
 # Manzoni's I promessi sposi (public domain), as the tokenizer tests hold it: its opening is the prompt
-DEFAULT_PROMPT = HERE.parent / "tests" / "data" / "bench-data" / "promessi_sposi.txt.xz"
+DEFAULT_PROMPT = BENCH_DATA / "promessi_sposi.txt.xz"
 GET_PEER = ("git clone https://github.com/ml-explore/mlx-lm PATH && git -C PATH fetch origin pull/1192/head "
             "&& git -C PATH checkout FETCH_HEAD")
 PEER_MODULES = ("deepseek_v4", "hyper_connection", "cache", "base", "mla", "switch_layers", "pipeline")
@@ -467,10 +469,7 @@ def main(argv: list[str] | None = None) -> int:
 def read_prompt(path: Path) -> str:
     """The text of a prompt file, decompressed when its name ends in ``.xz``."""
     try:
-        if path.suffix == ".xz":
-            with lzma.open(path, "rt", encoding="utf-8") as fh:
-                return fh.read()
-        return path.read_text(encoding="utf-8")
+        return read_text(path)
     except (OSError, UnicodeDecodeError, lzma.LZMAError, EOFError) as exc:
         raise PeerError(f"cannot read the prompt file {path}: {exc}") from None
 

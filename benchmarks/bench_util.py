@@ -18,10 +18,17 @@ from ds4_mlx.formats.quants import quantize_q8_0
 BENCH_DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "bench-data"
 
 
+def read_text(path: Path) -> str:
+    """A UTF-8 text file, decompressed when its name ends in ``.xz``."""
+    if path.suffix == ".xz":
+        with lzma.open(path, "rt", encoding="utf-8") as fh:
+            return fh.read()
+    return path.read_text(encoding="utf-8")
+
+
 def bench_text(name: str = "promessi_sposi.txt") -> str:
     """A reference text the repository ships (``tests/data/bench-data/<name>.xz``), decoded."""
-    with lzma.open(BENCH_DATA / f"{name}.xz", "rt", encoding="utf-8") as fh:
-        return fh.read()
+    return read_text(BENCH_DATA / f"{name}.xz")
 
 
 def random_blocks(rng, qtype: GGMLType, lead: tuple[int, ...], n_in: int) -> np.ndarray:

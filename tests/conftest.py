@@ -6,9 +6,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
+
+# Tests drive the benchmark scripts' measuring functions and helpers (bench_model, host_traffic, bench_util).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import ds4_mlx  # noqa: F401  (first: binds MLX to OpenBLAS before any test imports mlx)
 from ds4_mlx import synth as tm

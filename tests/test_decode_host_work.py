@@ -3,9 +3,6 @@ from host data, and that the leaner host paths compute the same bits as the ones
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -15,9 +12,7 @@ from ds4_mlx.model import experts as ex
 from ds4_mlx.model import metal_kernels
 from ds4_mlx.synth import q2_k_random_blocks
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-from host_traffic import HostTraffic  # noqa: E402
+from host_traffic import HostTraffic  # benchmarks/, on the path by conftest
 
 
 @pytest.fixture(scope="module")

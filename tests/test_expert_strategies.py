@@ -19,11 +19,9 @@ from ds4_mlx.errors import LayoutError
 from ds4_mlx.frontends.cli import main
 from ds4_mlx.model import device_experts
 from ds4_mlx.model.device_experts import DeviceExpertWeights, resolve_strategy, topk_lowest_id
+from host_traffic import HostTraffic  # benchmarks/, on the path by conftest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-from host_traffic import HostTraffic  # noqa: E402
 
 
 # -- top-k ------------------------------------------------------------------------------------------
