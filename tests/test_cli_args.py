@@ -298,3 +298,12 @@ def test_closed_stdout_is_silent(tiny_model_path, tmp_path):
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=300) == 0, err
     assert first.startswith(b"33310\t") and err == ""
+
+
+def test_model_option_choices_match_the_model_layer():
+    """args restates the loader's choices (importing them would load mlx at parser build): they must agree."""
+    from ds4_mlx.frontends.args import DISTRIBUTED_MODES, EXPERT_STRATEGIES
+    from ds4_mlx.model.device_experts import STRATEGIES
+    from ds4_mlx.model.pipeline import MODES
+
+    assert set(EXPERT_STRATEGIES) == set(STRATEGIES) and set(DISTRIBUTED_MODES) == set(MODES)
