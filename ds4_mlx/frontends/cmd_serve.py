@@ -21,7 +21,7 @@ import os
 
 from ds4_mlx.chat.template import DEFAULT_CTX
 from ds4_mlx.errors import Ds4Error
-from ds4_mlx.frontends.args import CTX, add_model_options, ranged
+from ds4_mlx.frontends.args import CTX, add_disk_cache_options, add_model_options, ranged
 
 
 def register(subparsers) -> None:
@@ -34,8 +34,6 @@ def register(subparsers) -> None:
     p.add_argument("--ctx", action=CTX, default=DEFAULT_CTX, metavar="N",
                    help=f"context size in tokens (default {DEFAULT_CTX})")
     p.add_argument("--model-id", default="deepseek-v4-flash", help="model id served (default %(default)s)")
-    p.add_argument("--kv-disk-dir", default=None, help="directory of the disk KV cache (off by default)")
-    p.add_argument("--kv-disk-space-mb", type=int, default=None, help="disk KV cache budget in MiB")
     p.add_argument("--sessions", type=int, default=1,
                    help="live KV sessions kept in RAM, least recently used evicted first; a request "
                         "takes the one sharing its longest prefix, or the one named by its "
@@ -50,6 +48,7 @@ def register(subparsers) -> None:
     p.add_argument("--max-body-mb", type=float, default=16.0, help="request body limit (default 16 MiB)")
     p.add_argument("--max-messages", type=int, default=4096, help="messages per request (default 4096)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_disk_cache_options(p)
     p.set_defaults(func=run)
 
 
