@@ -84,6 +84,7 @@ def test_generate_rejects_bad_numbers_while_parsing(capsys, flag, value, expect)
     (["tokenize", "-m", "m.gguf", "--text", "a", "--chat", "--ctx", "0"], "tokenize",
      "--ctx must be in [2, 1048576], got 0"),
     (["tokenize", "-m", "m.gguf", "--text", "a", "--ctx", "2097152"], "tokenize", "--ctx must be in [2, 1048576]"),
+    (["serve", "-m", "m.gguf", "--kv-disk-space-mb", "-5"], "serve", "--kv-disk-space-mb must be >= 0, got -5"),
 ])
 def test_other_commands_reject_bad_numbers(capsys, argv, command, expect):
     assert expect in _usage_error(capsys, argv, command)
@@ -298,3 +299,12 @@ def test_closed_stdout_is_silent(tiny_model_path, tmp_path):
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=300) == 0, err
     assert first.startswith(b"33310\t") and err == ""
+
+
+def test_model_option_choices_match_the_model_layer():
+    """args restates the loader's choices (importing them would load mlx at parser build): they must agree."""
+    from ds4_mlx.frontends.args import DISTRIBUTED_MODES, EXPERT_STRATEGIES
+    from ds4_mlx.model.device_experts import STRATEGIES
+    from ds4_mlx.model.pipeline import MODES
+
+    assert set(EXPERT_STRATEGIES) == set(STRATEGIES) and set(DISTRIBUTED_MODES) == set(MODES)

@@ -86,7 +86,7 @@ def test_bad_text_file(capsys, tiny_model_path, tmp_path):
     f = tmp_path / "latin1.txt"
     f.write_bytes(b"caf\xe9")
     rc, _, err = run_cli(capsys, "-m", str(tiny_model_path), "--file", str(f))
-    assert rc == 2 and err.count("\n") == 1 and "not valid UTF-8" in err and "byte offset 3" in err
+    assert rc == 2 and err.count("\n") == 1 and "--file" in err and "is not UTF-8 (byte 3)" in err
     rc, _, err = run_cli(capsys, "-m", str(tiny_model_path), "--file", str(tmp_path / "nope.txt"))
     assert rc == 2 and "nope.txt" in err
 

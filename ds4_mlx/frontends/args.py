@@ -141,23 +141,35 @@ def check_ctx(text: str, name: str) -> int:
     return check_number(text, name, int, **_CTX_RANGE)
 
 
+# The model layer's choices (``model.device_experts.STRATEGIES``, ``model.pipeline.MODES``), restated
+# because importing those modules loads mlx, and ``ds4-mlx --help`` builds every command's parser;
+# test_cli_args checks that the two agree.
 EXPERT_STRATEGIES = ("auto", "device", "host")
+DISTRIBUTED_MODES = ("pipeline",)
 
 
-def add_model_options(p: argparse.ArgumentParser) -> None:
-    """``-m/--model`` (required), ``--numerics`` and ``--experts``: every command that loads the weights."""
+def add_model_options(p: argparse.ArgumentParser, *, distributed: bool = False) -> None:
+    """``-m/--model`` (required), ``--numerics`` and ``--experts`` (``distributed``: also
+    ``--distributed``): every command that loads the weights. ``model_options(args)`` turns them
+    into the loader's keywords."""
     p.add_argument("-m", "--model", required=True, help="DS4 Flash GGUF file")
     p.add_argument("--numerics", choices=["default", "ds4-cpu"], default="default",
                    help="arithmetic: fast path, or ds4's CPU reference arithmetic")
-    add_experts_option(p)
-
-
-def add_experts_option(p: argparse.ArgumentParser) -> None:
-    """``--experts auto|device|host``: the routed-expert strategy (``ds4_mlx.load(experts=...)``)."""
     p.add_argument("--experts", choices=EXPERT_STRATEGIES, default="auto",
                    help="routed experts: device (blocks resident in GPU memory, routing on the device), "
                         "host (routing on the CPU, slabs read from the mmap); auto = device on a GPU, "
                         "host on the CPU (default)")
+    if distributed:
+        p.add_argument("--distributed", choices=DISTRIBUTED_MODES, default=None,
+                       help="pipeline: split the layers over the ranks started by mlx.launch (rank 0 prints; "
+                            "e.g. mlx.launch -n 2 --backend ring -- ds4-mlx generate ... --distributed pipeline)")
+    else:
+        p.set_defaults(distributed=None)
+
+
+def model_options(args: argparse.Namespace) -> dict:
+    """The ``ds4_mlx.load`` / ``Engine.open`` keywords of the options ``add_model_options`` added."""
+    return {"numerics": args.numerics, "experts": args.experts, "distributed": args.distributed}
 
 
 def add_system_option(p: argparse.ArgumentParser) -> None:
@@ -205,13 +217,3 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
                    default=0.05, metavar="P", help="min probability relative to the best, [0, 1] (default 0.05)")
     p.add_argument("--top-k", action=ranged(int, 0, MAX_TOP_K, why=f"ds4 samples among at most {MAX_TOP_K}"),
                    default=0, metavar="K", help=f"sample among the K best (0 = off, max {MAX_TOP_K})")
-
-
-DISTRIBUTED_MODES = ("pipeline",)
-
-
-def add_distributed_option(p: argparse.ArgumentParser) -> None:
-    """``--distributed pipeline``: split the layers over the ranks ``mlx.launch`` started."""
-    p.add_argument("--distributed", choices=DISTRIBUTED_MODES, default=None,
-                   help="pipeline: split the layers over the ranks started by mlx.launch (rank 0 prints; "
-                        "e.g. mlx.launch -n 2 --backend ring -- ds4-mlx generate ... --distributed pipeline)")

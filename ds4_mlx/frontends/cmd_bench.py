@@ -22,7 +22,7 @@ import csv
 import sys
 from pathlib import Path
 
-from ds4_mlx.frontends.args import UsageError, add_model_options, check_number, read_text_file
+from ds4_mlx.frontends.args import UsageError, add_model_options, check_number, model_options, read_text_file
 
 PLOT_SUFFIXES = (".png", ".svg")
 # (dest, flag, lowest value); --ctx-max >= --ctx-start is checked in _validate
@@ -118,7 +118,7 @@ def run(args) -> int:
     if not Path(args.model).is_file():
         raise UsageError(f"-m {args.model}: no such model file")
 
-    engine = Engine.open(args.model, numerics=args.numerics, experts=args.experts)
+    engine = Engine.open(args.model, **model_options(args))
     context_length = engine.context_length
     if n["ctx_max"] + n["gen"] > context_length:
         raise UsageError(f"--ctx-max + --gen = {n['ctx_max'] + n['gen']} exceeds the model's context of "

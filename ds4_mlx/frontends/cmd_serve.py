@@ -21,24 +21,19 @@ import os
 
 from ds4_mlx.chat.template import DEFAULT_CTX
 from ds4_mlx.errors import Ds4Error
-from ds4_mlx.frontends.args import CTX, add_experts_option, ranged
+from ds4_mlx.frontends.args import CTX, add_disk_cache_options, add_model_options, ranged
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("serve", help="run the OpenAI/Anthropic-compatible API server",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-m", "--model", required=True, help="DS4 Flash GGUF file")
+    add_model_options(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", action=ranged(int, 1, 65535, why="a TCP port"), default=8000, metavar="N",
                    help="port (default 8000)")
     p.add_argument("--ctx", action=CTX, default=DEFAULT_CTX, metavar="N",
                    help=f"context size in tokens (default {DEFAULT_CTX})")
-    p.add_argument("--numerics", choices=["default", "ds4-cpu"], default="default",
-                   help="arithmetic: fast path, or ds4's CPU reference arithmetic")
-    add_experts_option(p)
     p.add_argument("--model-id", default="deepseek-v4-flash", help="model id served (default %(default)s)")
-    p.add_argument("--kv-disk-dir", default=None, help="directory of the disk KV cache (off by default)")
-    p.add_argument("--kv-disk-space-mb", type=int, default=None, help="disk KV cache budget in MiB")
     p.add_argument("--sessions", type=int, default=1,
                    help="live KV sessions kept in RAM, least recently used evicted first; a request "
                         "takes the one sharing its longest prefix, or the one named by its "
@@ -53,6 +48,7 @@ def register(subparsers) -> None:
     p.add_argument("--max-body-mb", type=float, default=16.0, help="request body limit (default 16 MiB)")
     p.add_argument("--max-messages", type=int, default=4096, help="messages per request (default 4096)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_disk_cache_options(p)
     p.set_defaults(func=run)
 
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from ds4_mlx.chat.template import DEFAULT_CTX, DEFAULT_SYSTEM, encode_chat_prompt
 from ds4_mlx.errors import TokenizerError
-from ds4_mlx.frontends.args import CTX, add_think_options
+from ds4_mlx.frontends.args import CTX, add_think_options, read_text_file
 
 if TYPE_CHECKING:  # the reader (numpy, regex) loads in run(): `ds4-mlx --help` builds every parser
     from ds4_mlx.tokenizer import Tokenizer
@@ -51,15 +51,7 @@ def register(subparsers) -> None:
 def _read_text(args: argparse.Namespace) -> str:
     if args.text is not None:
         return args.text
-    try:
-        with open(args.file, "rb") as fh:
-            data = fh.read()
-    except OSError as exc:
-        raise TokenizerError(f"{args.file}: cannot read: {exc.strerror or exc}") from None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise TokenizerError(f"{args.file}: not valid UTF-8 (byte offset {exc.start})") from None
+    return read_text_file(args.file, "--file")
 
 
 def _read_request(path: str):

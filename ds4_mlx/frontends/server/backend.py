@@ -260,7 +260,7 @@ class EngineBackend(Backend):
     (tests drive tool-call output from a random model with it; the server passes none)."""
 
     def __init__(self, model_path: str, *, ctx: int = 32768, numerics: str = "default", experts: str = "auto",
-                 kv_disk_dir: str | None = None, kv_disk_space_mb: int | None = None,
+                 kv_disk_dir: str | None = None, kv_disk_space_mb: float | None = None,
                  sessions: int = 1, sessions_mb: float = 0, max_queue: int = 64,
                  model_id: str = "deepseek-v4-flash", replay=None,
                  logits_hook: Callable | None = None) -> None:
