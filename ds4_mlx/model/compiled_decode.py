@@ -168,7 +168,7 @@ class CompiledDecoder:
         # The structure of each layer's cache (which lanes, their sizes) for the views built inside
         # the traces; its arrays are never read.
         templates = ModelCache.empty(model.config).layers
-        self._device_routed = [bool(getattr(b.ffn, "routes_on_device", False)) for b in blocks]
+        self._device_routed = [b.ffn.routes_on_device for b in blocks]
         self._layer_fns = []
         # ``blocks`` may be a contiguous range of the layers (a pipeline stage, ``model.pipeline``):
         # each block finds its cache by its own index ``il``, and the first one starts from H.
