@@ -162,15 +162,24 @@ class CompiledDecoder:
         self._model = weakref.ref(model)
         self.compile = compile
         self._counter = _Counter()
-        self._tables: dict[tuple, _RopeRows] = {}
         wrap = mx.compile if compile else (lambda f: f)
         blocks = model.blocks
         # The structure of each layer's cache (which lanes, their sizes) for the views built inside
         # the traces; its arrays are never read.
         templates = ModelCache.empty(model.config).layers
         self._device_routed = [b.ffn.routes_on_device for b in blocks]
+        self._any_device_routed = any(self._device_routed)
+        # each block's RoPE rows, looked up once here, not per layer and step (blocks with the same
+        # RoPE parameters share one ``_RopeRows``)
+        shared: dict[tuple, _RopeRows] = {}
+        self._block_rows = []
+        for b in blocks:
+            key = _rope_key(b.attn.rope)
+            if key not in shared:
+                shared[key] = _RopeRows(b.attn.rope, model.ops)
+            self._block_rows.append(shared[key])
         self._layer_fns = []
-        # ``blocks`` may be a contiguous range of the layers (a pipeline stage, ``model.pipeline``):
+        # ``blocks`` may be a contiguous range of the layers (a pipeline stage, ``pipeline.PipelineModel``):
         # each block finds its cache by its own index ``il``, and the first one starts from H.
         for i, b in enumerate(blocks):
             make = _device_routed_layer if self._device_routed[i] else _host_routed_layer
@@ -186,12 +195,6 @@ class CompiledDecoder:
     def traces(self) -> int:
         """How many times a function body has run under tracing (or at all, with compile=False)."""
         return self._counter.n
-
-    def _rows(self, rope: Rope) -> _RopeRows:
-        key = _rope_key(rope)
-        if key not in self._tables:
-            self._tables[key] = _RopeRows(rope, self.model.ops)
-        return self._tables[key]
 
     # -- one step -----------------------------------------------------------------------------------
 
@@ -217,12 +220,11 @@ class CompiledDecoder:
         pos = mx.array(p, dtype=mx.int32)
         tokens = np.array([token], dtype=np.int64)
         # the id as an MLX array only for layers that route on the device (one host array per step)
-        token_arr = mx.array(tokens.astype(np.int32)) if any(self._device_routed) else None
-        model = self.model
+        token_arr = mx.array(tokens.astype(np.int32)) if self._any_device_routed else None
         carry = [H]
-        for il, block in enumerate(model.blocks):
+        for il, block in enumerate(self.model.blocks):
             attn, ffn = block.attn, block.ffn
-            rows = self._rows(attn.rope)
+            rows = self._block_rows[il]
             tables = list(rows.at(p))
             if attn.ratio:
                 tables += list(rows.at(p - p % attn.ratio))
