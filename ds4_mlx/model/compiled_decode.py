@@ -204,17 +204,25 @@ class CompiledDecoder:
         last token of a decoded suffix) skips the output projection, as the chunk path does.
         ``evaluate=False`` leaves the new cache arrays lazy too: the caller evaluates them with what
         it reads (e.g. ``mx.depends(next_token, cache.arrays())``), one sync for the whole token."""
+        return self.run(self.model.embed(np.array([token], dtype=np.int64)), token, cache, evaluate=evaluate)
+
+    def run(self, H: mx.array, token: int, cache: ModelCache, *, head: bool = True,
+            evaluate: bool = True) -> mx.array:
+        """This decoder's blocks on H [1, n_hc, n_embd] (``token``'s embedding, or the previous
+        pipeline stage's output) at position ``cache.n_tokens``, then the head (``head``: the
+        next-token logits [n_vocab]) or only the last block's FFN tail (H for the next pipeline
+        stage), lazily. Updates and advances ``cache`` like ``step``."""
         p = cache.n_tokens
-        carry = self.layers(self.model.embed(np.array([token], dtype=np.int64)), token, cache)
-        logits = self._head_fn(carry)
+        carry = self._layers(H, token, cache)
+        out = (self._head_fn if head else self._finish_fn)(carry)
         cache.advance(p + 1)
         if evaluate:
             mx.eval(*cache.arrays())
-        return logits
+        return out
 
-    def layers(self, H: mx.array, token: int, cache: ModelCache) -> list[mx.array]:
-        """This decoder's blocks on H [1, n_hc, n_embd] at position ``cache.n_tokens`` (the cache's
-        layer arrays are replaced, its position is not advanced): the carry for ``head`` or ``finish``."""
+    def _layers(self, H: mx.array, token: int, cache: ModelCache) -> list[mx.array]:
+        """The blocks on H at position ``cache.n_tokens`` (the cache's layer arrays are replaced, its
+        position is not advanced): the carry for the head or the finish function."""
         p = cache.n_tokens
         cache.reserve(p)
         pos = mx.array(p, dtype=mx.int32)
@@ -240,11 +248,3 @@ class CompiledDecoder:
             lc.set_arrays(arrays)
             del arrays
         return carry
-
-    def head(self, carry: list[mx.array]) -> mx.array:
-        """The carry of ``layers`` -> next-token logits [n_vocab] (the last block's FFN tail, the head)."""
-        return self._head_fn(carry)
-
-    def finish(self, carry: list[mx.array]) -> mx.array:
-        """The carry of ``layers`` -> H after the last block (its FFN tail), for the next pipeline stage."""
-        return self._finish_fn(carry)

@@ -261,9 +261,8 @@ class PipelineModel(Model):
         if self.source is not None:
             self.source.check_intact()
         p = cache.n_tokens
-        dec = self.decoder()
-        H = dec.finish(dec.layers(self.embed(np.array([token], dtype=np.int64)), int(token), cache))
-        cache.advance(p + 1)
+        H = self.decoder().run(self.embed(np.array([token], dtype=np.int64)), int(token), cache,
+                               head=False, evaluate=False)
         mx.eval(H, *cache.arrays())
         self._pass_on(self._header(_STEP, p, 1, True, reset, H), np.array([token], dtype=np.int64), H)
         self._mirrored = cache
@@ -312,13 +311,8 @@ class PipelineModel(Model):
                     H = self.run_blocks(H, tokens, cache)
                     out = self.head(H[-1:])[0] if self.is_last and want else None
             elif op == _STEP:
-                dec = self.decoder()
-                carry = dec.layers(H, int(tokens[0]), cache)
-                cache.advance(p0 + 1)
-                if self.is_last:
-                    out, H = dec.head(carry), None
-                else:
-                    out, H = None, dec.finish(carry)
+                y = self.decoder().run(H, int(tokens[0]), cache, head=self.is_last, evaluate=False)
+                out, H = (y, None) if self.is_last else (None, y)
                 mx.eval(*([] if H is None else [H]), *cache.arrays())
             else:
                 raise DistributedError(f"rank {self.rank}: unknown pipeline message {op} from rank {src}")
