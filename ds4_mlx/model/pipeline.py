@@ -238,21 +238,16 @@ class PipelineModel(Model):
                       want_logits: bool = True) -> tuple[mx.array | None, ModelCache]:
         if self.rank != 0:
             raise InferenceError("only rank 0 drives a pipeline; the other ranks run follow()")
-        tokens = np.asarray(tokens, dtype=np.int64)
-        reset = self._claim(cache)
-        if self.source is not None:
-            self.source.check_intact()
-        new = cache.copy()  # on an error here the caller keeps its cache, the other ranks theirs
-        with self.ops.stream():
-            H = self.embed(tokens)
-            H = self.run_blocks(H, tokens, new, [("the token embedding", all_finite(H))])
-        self._pass_on(self._header(_CHUNK, cache.n_tokens, len(tokens), want_logits, reset, H), tokens, H)
-        self._mirrored = new
-        logits = self._recv_logits() if want_logits else None
-        if logits is not None:
-            raise_nonfinite([("the output head", all_finite(logits))],
-                             f"positions {cache.n_tokens}..{cache.n_tokens + len(tokens) - 1}", self.source)
-        return logits, new
+        self._claim(cache)
+        return super().forward_chunk(tokens, cache, want_logits)
+
+    def _chunk_logits(self, H: mx.array, tokens: np.ndarray, p0: int, cache: ModelCache,
+                      want_logits: bool) -> mx.array | None:
+        # ``Model.forward_chunk`` ran rank 0's blocks on a copy of the caller's cache (on an error
+        # before this point the caller keeps its cache, the other ranks theirs); the rest runs there.
+        self._pass_on(self._header(_CHUNK, p0, len(tokens), want_logits, p0 == 0, H), tokens, H)
+        self._mirrored = cache
+        return self._recv_logits() if want_logits else None
 
     def step(self, token: int, cache: ModelCache) -> mx.array:
         if self.rank != 0:
