@@ -45,7 +45,7 @@ DEFAULT_JOIN_TIMEOUT_S = 120.0
 
 _STOP, _CHUNK, _STEP = 0, 1, 2
 _DTYPES = (mx.float32, mx.float16, mx.bfloat16)
-_HEADER = 6  # op, p0, n tokens, want logits, reset, dtype code
+_HEADER = 5  # op, p0 (0: start from an empty cache), n tokens, want logits, dtype code
 
 
 # -- the split -----------------------------------------------------------------------------------
@@ -218,21 +218,18 @@ class PipelineModel(Model):
 
     # -- rank 0 -------------------------------------------------------------------------------
 
-    def _claim(self, cache: ModelCache) -> bool:
-        """Whether this feed starts the other ranks from empty; refuses a cache they do not hold."""
+    def _claim(self, cache: ModelCache) -> None:
+        """Refuse a cache the other ranks do not hold (an empty one starts them over: p0 = 0)."""
         if self._stopped:
             raise DistributedError("the pipeline is closed: the other ranks have stopped")
-        if cache.n_tokens == 0:
-            return True
-        if cache is not self._mirrored:
+        if cache.n_tokens != 0 and cache is not self._mirrored:
             raise DistributedError("a distributed (pipeline) session can only continue its live state: "
                                    "restoring a snapshot, a payload or a disk KV cache entry is not "
                                    "supported across ranks yet")
-        return False
 
-    def _header(self, op: int, p0: int, n: int, want: bool, reset: bool, H: mx.array | None) -> np.ndarray:
+    def _header(self, op: int, p0: int, n: int, want: bool, H: mx.array | None) -> np.ndarray:
         code = 0 if H is None else _DTYPES.index(H.dtype)
-        return np.array([op, p0, n, int(want), int(reset), code], dtype=np.int64)
+        return np.array([op, p0, n, int(want), code], dtype=np.int64)
 
     def forward_chunk(self, tokens: np.ndarray, cache: ModelCache,
                       want_logits: bool = True) -> tuple[mx.array | None, ModelCache]:
@@ -245,21 +242,21 @@ class PipelineModel(Model):
                       want_logits: bool) -> mx.array | None:
         # ``Model.forward_chunk`` ran rank 0's blocks on a copy of the caller's cache (on an error
         # before this point the caller keeps its cache, the other ranks theirs); the rest runs there.
-        self._pass_on(self._header(_CHUNK, p0, len(tokens), want_logits, p0 == 0, H), tokens, H)
+        self._pass_on(self._header(_CHUNK, p0, len(tokens), want_logits, H), tokens, H)
         self._mirrored = cache
         return self._recv_logits() if want_logits else None
 
     def step(self, token: int, cache: ModelCache) -> mx.array:
         if self.rank != 0:
             raise InferenceError("only rank 0 drives a pipeline; the other ranks run follow()")
-        reset = self._claim(cache)
+        self._claim(cache)
         if self.source is not None:
             self.source.check_intact()
         p = cache.n_tokens
         H = self.decoder().run(self.embed(np.array([token], dtype=np.int64)), int(token), cache,
                                head=False, evaluate=False)
         mx.eval(H, *cache.arrays())
-        self._pass_on(self._header(_STEP, p, 1, True, reset, H), np.array([token], dtype=np.int64), H)
+        self._pass_on(self._header(_STEP, p, 1, True, H), np.array([token], dtype=np.int64), H)
         self._mirrored = cache
         return self._recv_logits()
 
@@ -269,7 +266,7 @@ class PipelineModel(Model):
             return
         self._stopped = True
         try:
-            self._pass_on(np.array([_STOP, 0, 0, 0, 0, 0], dtype=np.int64), np.zeros(1, np.int64),
+            self._pass_on(self._header(_STOP, 0, 0, False, None), np.zeros(1, np.int64),
                           mx.zeros((1,), mx.float32))
         except DistributedError:
             pass  # the others are gone already: nothing to stop
@@ -286,7 +283,7 @@ class PipelineModel(Model):
         src = self.rank - 1
         while True:
             header = np.array(self._recv((_HEADER,), mx.int64, src))
-            op, p0, n, want, reset, code = (int(v) for v in header)
+            op, p0, n, want, code = (int(v) for v in header)
             tokens = np.array(self._recv((max(n, 1),), mx.int64, src))
             if op == _STOP:
                 self._recv((1,), mx.float32, src)
@@ -294,7 +291,7 @@ class PipelineModel(Model):
                     self._pass_on(header, tokens, mx.zeros((1,), mx.float32))
                 return
             H = self._recv((n, cfg.n_hc, cfg.n_embd), _DTYPES[code], src)
-            if reset:
+            if p0 == 0:  # rank 0 feeds an empty cache (``_claim``): start over
                 cache = ModelCache.empty(cfg)
             if cache.n_tokens != p0:
                 raise DistributedError(f"rank {self.rank}: out of step with rank 0 (it feeds position {p0}, "
@@ -315,5 +312,5 @@ class PipelineModel(Model):
                 if out is not None:
                     self._send_logits(out)
             else:
-                header[5] = _DTYPES.index(H.dtype)
+                header[4] = _DTYPES.index(H.dtype)
                 self._pass_on(header, tokens, H)
