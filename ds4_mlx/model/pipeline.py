@@ -37,6 +37,7 @@ import mlx.core as mx
 import numpy as np
 
 from ds4_mlx.errors import DistributedError, InferenceError
+from ds4_mlx.model import join_watchdog
 from ds4_mlx.model.cache import ModelCache
 from ds4_mlx.model.transformer import Model, all_finite, raise_nonfinite
 
@@ -120,19 +121,6 @@ def _join_timeout(timeout: float | None) -> float:
         raise DistributedError(f"DS4_MLX_DIST_TIMEOUT={env!r} is not a number of seconds") from None
 
 
-# The watchdog runs as its own small process: mx.distributed.init blocks inside C with the GIL held,
-# so no thread of ours could run to end a wait for a rank that never comes.
-_WATCHDOG = """
-import os, select, signal, sys
-pid, limit, msg = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
-ready, _, _ = select.select([sys.stdin], [], [], limit)
-if not ready:
-    sys.stderr.write(msg + "\\n")
-    sys.stderr.flush()
-    os.kill(pid, signal.SIGKILL)
-"""
-
-
 def join(timeout: float | None = None):
     """The distributed group of this process (``mx.distributed.init``), waiting at most
     ``timeout`` seconds (default ``DS4_MLX_DIST_TIMEOUT`` or 120) for the other ranks; past it the
@@ -142,7 +130,7 @@ def join(timeout: float | None = None):
         raise DistributedError(f"the join timeout must be a finite number of seconds > 0, got {limit:g}")
     msg = (f"ds4-mlx: error: rank {os.environ.get('MLX_RANK', '?')}: the other ranks did not join within "
            f"{limit:g} s (is every host of the hostfile running the same command?)")
-    dog = subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(limit), msg],
+    dog = subprocess.Popen([sys.executable, "-I", join_watchdog.__file__, str(os.getpid()), str(limit), msg],
                            stdin=subprocess.PIPE)
     try:
         group = mx.distributed.init(strict=False, backend="any")
