@@ -81,6 +81,12 @@ class Model:
         """The numerics mode the model was loaded with (its ``ops``)."""
         return self.ops.numerics
 
+    @property
+    def expert_strategy(self) -> str:
+        """The routed-expert strategy the blocks were built with (``device_experts``): "device" when
+        their MoEs route on the device, else "host"."""
+        return "device" if any(b.ffn.routes_on_device for b in self.blocks) else "host"
+
     def embed(self, tokens: np.ndarray) -> mx.array:
         """[T] ids -> H [T, n_hc, n_embd]: the F16 row in every stream."""
         e = mx.array(np.asarray(self.embedding[tokens], dtype=np.float32))
