@@ -43,7 +43,7 @@ def test_steady_decode_step_builds_no_rope_or_expert_index_arrays(model):
 def test_rope_rows_are_reused_within_a_block(model):
     dec = model.decoder()
     attn = model.blocks[2].attn
-    rows = dec._rows(attn.rope)
+    rows = dec._block_rows[2]  # the RoPE rows of block 2
     a = rows.at(300)
     assert rows.at(300)[0] is a[0] and rows.at(300)[1] is a[1]
     c, s_ = model.ops.rope_tables(attn.rope, np.arange(300, 301))

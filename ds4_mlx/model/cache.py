@@ -156,6 +156,13 @@ class StepAt:
 # -- one compressor lane ----------------------------------------------------------------------------
 
 
+def _overlap_slots(prv: mx.array, cur: mx.array, D: int) -> mx.array:
+    """The R = 4 pooling slots of n windows from their tokens' projections prv (the previous window)
+    and cur (this one), [n, 4, 2D] each: prv through columns [0, D) and cur through [D, 2D),
+    interleaved token by token as ds4 accumulates them -> [n, 8, D]."""
+    return mx.stack([prv[..., :D], cur[..., D:]], axis=2).reshape(prv.shape[0], 8, D)
+
+
 class CompressorLane:
     """A compressor's row buffer and canonical frontier (see the module docstring)."""
 
@@ -231,8 +238,7 @@ class CompressorLane:
             cur_g = seq_g[4: 4 + 4 * n_emit].reshape(n_emit, 4, W)
             prv_k = seq_k[: 4 * n_emit].reshape(n_emit, 4, W)
             prv_g = seq_g[: 4 * n_emit].reshape(n_emit, 4, W)
-            slot_k = mx.stack([prv_k[..., :D], cur_k[..., D:]], axis=2).reshape(n_emit, 8, D)
-            slot_g = mx.stack([prv_g[..., :D], cur_g[..., D:]], axis=2).reshape(n_emit, 8, D)
+            slot_k, slot_g = _overlap_slots(prv_k, cur_k, D), _overlap_slots(prv_g, cur_g, D)
         else:
             slot_k = seq_k[first: first + R * n_emit].reshape(n_emit, R, D)
             slot_g = seq_g[first: first + R * n_emit].reshape(n_emit, R, D)
@@ -245,10 +251,8 @@ class CompressorLane:
         kst = mx.slice_update(self.kst, k, row, axes=(0,))
         gst = mx.slice_update(self.gst, g, row, axes=(0,))
         if R == 4:
-            prv_k, cur_k = kst[None, :4], kst[None, 4:]
-            prv_g, cur_g = gst[None, :4], gst[None, 4:]
-            slot_k = mx.stack([prv_k[..., :D], cur_k[..., D:]], axis=2).reshape(1, 8, D)
-            slot_g = mx.stack([prv_g[..., :D], cur_g[..., D:]], axis=2).reshape(1, 8, D)
+            slot_k = _overlap_slots(kst[None, :4], kst[None, 4:], D)
+            slot_g = _overlap_slots(gst[None, :4], gst[None, 4:], D)
         else:
             slot_k, slot_g = kst.reshape(1, R, D), gst.reshape(1, R, D)
         # On emission the window's rows leave the frontier (R = 4: they become the previous half).

@@ -162,15 +162,24 @@ class CompiledDecoder:
         self._model = weakref.ref(model)
         self.compile = compile
         self._counter = _Counter()
-        self._tables: dict[tuple, _RopeRows] = {}
         wrap = mx.compile if compile else (lambda f: f)
         blocks = model.blocks
         # The structure of each layer's cache (which lanes, their sizes) for the views built inside
         # the traces; its arrays are never read.
         templates = ModelCache.empty(model.config).layers
-        self._device_routed = [bool(getattr(b.ffn, "routes_on_device", False)) for b in blocks]
+        self._device_routed = [b.ffn.routes_on_device for b in blocks]
+        self._any_device_routed = any(self._device_routed)
+        # each block's RoPE rows, looked up once here, not per layer and step (blocks with the same
+        # RoPE parameters share one ``_RopeRows``)
+        shared: dict[tuple, _RopeRows] = {}
+        self._block_rows = []
+        for b in blocks:
+            key = _rope_key(b.attn.rope)
+            if key not in shared:
+                shared[key] = _RopeRows(b.attn.rope, model.ops)
+            self._block_rows.append(shared[key])
         self._layer_fns = []
-        # ``blocks`` may be a contiguous range of the layers (a pipeline stage, ``model.pipeline``):
+        # ``blocks`` may be a contiguous range of the layers (a pipeline stage, ``pipeline.PipelineModel``):
         # each block finds its cache by its own index ``il``, and the first one starts from H.
         for i, b in enumerate(blocks):
             make = _device_routed_layer if self._device_routed[i] else _host_routed_layer
@@ -187,12 +196,6 @@ class CompiledDecoder:
         """How many times a function body has run under tracing (or at all, with compile=False)."""
         return self._counter.n
 
-    def _rows(self, rope: Rope) -> _RopeRows:
-        key = _rope_key(rope)
-        if key not in self._tables:
-            self._tables[key] = _RopeRows(rope, self.model.ops)
-        return self._tables[key]
-
     # -- one step -----------------------------------------------------------------------------------
 
     def step(self, token: int, cache: ModelCache, *, evaluate: bool = True) -> mx.array:
@@ -201,28 +204,35 @@ class CompiledDecoder:
         last token of a decoded suffix) skips the output projection, as the chunk path does.
         ``evaluate=False`` leaves the new cache arrays lazy too: the caller evaluates them with what
         it reads (e.g. ``mx.depends(next_token, cache.arrays())``), one sync for the whole token."""
+        return self.run(self.model.embed(np.array([token], dtype=np.int64)), token, cache, evaluate=evaluate)
+
+    def run(self, H: mx.array, token: int, cache: ModelCache, *, head: bool = True,
+            evaluate: bool = True) -> mx.array:
+        """This decoder's blocks on H [1, n_hc, n_embd] (``token``'s embedding, or the previous
+        pipeline stage's output) at position ``cache.n_tokens``, then the head (``head``: the
+        next-token logits [n_vocab]) or only the last block's FFN tail (H for the next pipeline
+        stage), lazily. Updates and advances ``cache`` like ``step``."""
         p = cache.n_tokens
-        carry = self.layers(self.model.embed(np.array([token], dtype=np.int64)), token, cache)
-        logits = self._head_fn(carry)
+        carry = self._layers(H, token, cache)
+        out = (self._head_fn if head else self._finish_fn)(carry)
         cache.advance(p + 1)
         if evaluate:
             mx.eval(*cache.arrays())
-        return logits
+        return out
 
-    def layers(self, H: mx.array, token: int, cache: ModelCache) -> list[mx.array]:
-        """This decoder's blocks on H [1, n_hc, n_embd] at position ``cache.n_tokens`` (the cache's
-        layer arrays are replaced, its position is not advanced): the carry for ``head`` or ``finish``."""
+    def _layers(self, H: mx.array, token: int, cache: ModelCache) -> list[mx.array]:
+        """The blocks on H at position ``cache.n_tokens`` (the cache's layer arrays are replaced, its
+        position is not advanced): the carry for the head or the finish function."""
         p = cache.n_tokens
         cache.reserve(p)
         pos = mx.array(p, dtype=mx.int32)
         tokens = np.array([token], dtype=np.int64)
         # the id as an MLX array only for layers that route on the device (one host array per step)
-        token_arr = mx.array(tokens.astype(np.int32)) if any(self._device_routed) else None
-        model = self.model
+        token_arr = mx.array(tokens.astype(np.int32)) if self._any_device_routed else None
         carry = [H]
-        for il, block in enumerate(model.blocks):
+        for il, block in enumerate(self.model.blocks):
             attn, ffn = block.attn, block.ffn
-            rows = self._rows(attn.rope)
+            rows = self._block_rows[il]
             tables = list(rows.at(p))
             if attn.ratio:
                 tables += list(rows.at(p - p % attn.ratio))
@@ -238,11 +248,3 @@ class CompiledDecoder:
             lc.set_arrays(arrays)
             del arrays
         return carry
-
-    def head(self, carry: list[mx.array]) -> mx.array:
-        """The carry of ``layers`` -> next-token logits [n_vocab] (the last block's FFN tail, the head)."""
-        return self._head_fn(carry)
-
-    def finish(self, carry: list[mx.array]) -> mx.array:
-        """The carry of ``layers`` -> H after the last block (its FFN tail), for the next pipeline stage."""
-        return self._finish_fn(carry)

@@ -193,8 +193,5 @@ def _build(f: GGUFFile, cfg: ModelConfig, mode: Numerics, backend: str | None, s
     parts = dict(embedding=embedding, blocks=blocks, output_hc=output_hc, output_norm=output_norm,
                  output=output, source=f)
     if group is None:
-        model = Model(cfg, ops, **parts)
-    else:
-        model = pipeline.PipelineModel(cfg, ops, group=group, layers=own, **parts)
-    model.expert_strategy = strategy  # "device" | "host", as resolved from the load option
-    return model
+        return Model(cfg, ops, **parts)
+    return pipeline.PipelineModel(cfg, ops, group=group, layers=own, **parts)

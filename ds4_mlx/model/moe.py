@@ -28,10 +28,6 @@ ROUTER_SUM_FLOOR = 6.103515625e-5  # 2^-14
 
 
 class MoE:
-    # True when expert choice and expert matmuls run on the device (no host break), so the compiled
-    # decode step compiles the whole layer (``compiled_decode``); the host strategy is False.
-    routes_on_device = False
-
     def __init__(self, *, ffn_norm: mx.array, router: DenseWeight, bias: mx.array | None,
                  tid2eid: np.ndarray | None, gate_exps: ExpertWeights, up_exps: ExpertWeights,
                  down_exps: ExpertWeights, gate_sh: DenseWeight, up_sh: DenseWeight, down_sh: DenseWeight,
@@ -41,7 +37,8 @@ class MoE:
         self.gate_sh, self.up_sh, self.down_sh = gate_sh, up_sh, down_sh
         self.n_used, self.weight_scale, self.clamp, self.eps = n_used, weight_scale, clamp, eps
         self.ops = ops
-        # device strategy: expert ids never leave the device (see the module docstring)
+        # True when expert choice and expert matmuls run on the device (the device strategy: no host
+        # break), so the compiled decode step compiles the whole layer (``compiled_decode``)
         self.routes_on_device = bool(getattr(gate_exps, "routes_on_device", False))
         self.tid2eid_device = None
         if tid2eid is not None and self.routes_on_device:

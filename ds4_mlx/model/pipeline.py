@@ -37,6 +37,7 @@ import mlx.core as mx
 import numpy as np
 
 from ds4_mlx.errors import DistributedError, InferenceError
+from ds4_mlx.model import join_watchdog
 from ds4_mlx.model.cache import ModelCache
 from ds4_mlx.model.transformer import Model, all_finite, raise_nonfinite
 
@@ -45,7 +46,7 @@ DEFAULT_JOIN_TIMEOUT_S = 120.0
 
 _STOP, _CHUNK, _STEP = 0, 1, 2
 _DTYPES = (mx.float32, mx.float16, mx.bfloat16)
-_HEADER = 6  # op, p0, n tokens, want logits, reset, dtype code
+_HEADER = 5  # op, p0 (0: start from an empty cache), n tokens, want logits, dtype code
 
 
 # -- the split -----------------------------------------------------------------------------------
@@ -120,19 +121,6 @@ def _join_timeout(timeout: float | None) -> float:
         raise DistributedError(f"DS4_MLX_DIST_TIMEOUT={env!r} is not a number of seconds") from None
 
 
-# The watchdog runs as its own small process: mx.distributed.init blocks inside C with the GIL held,
-# so no thread of ours could run to end a wait for a rank that never comes.
-_WATCHDOG = """
-import os, select, signal, sys
-pid, limit, msg = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
-ready, _, _ = select.select([sys.stdin], [], [], limit)
-if not ready:
-    sys.stderr.write(msg + "\\n")
-    sys.stderr.flush()
-    os.kill(pid, signal.SIGKILL)
-"""
-
-
 def join(timeout: float | None = None):
     """The distributed group of this process (``mx.distributed.init``), waiting at most
     ``timeout`` seconds (default ``DS4_MLX_DIST_TIMEOUT`` or 120) for the other ranks; past it the
@@ -142,7 +130,7 @@ def join(timeout: float | None = None):
         raise DistributedError(f"the join timeout must be a finite number of seconds > 0, got {limit:g}")
     msg = (f"ds4-mlx: error: rank {os.environ.get('MLX_RANK', '?')}: the other ranks did not join within "
            f"{limit:g} s (is every host of the hostfile running the same command?)")
-    dog = subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(limit), msg],
+    dog = subprocess.Popen([sys.executable, "-I", join_watchdog.__file__, str(os.getpid()), str(limit), msg],
                            stdin=subprocess.PIPE)
     try:
         group = mx.distributed.init(strict=False, backend="any")
@@ -218,54 +206,45 @@ class PipelineModel(Model):
 
     # -- rank 0 -------------------------------------------------------------------------------
 
-    def _claim(self, cache: ModelCache) -> bool:
-        """Whether this feed starts the other ranks from empty; refuses a cache they do not hold."""
+    def _claim(self, cache: ModelCache) -> None:
+        """Refuse a cache the other ranks do not hold (an empty one starts them over: p0 = 0)."""
         if self._stopped:
             raise DistributedError("the pipeline is closed: the other ranks have stopped")
-        if cache.n_tokens == 0:
-            return True
-        if cache is not self._mirrored:
+        if cache.n_tokens != 0 and cache is not self._mirrored:
             raise DistributedError("a distributed (pipeline) session can only continue its live state: "
                                    "restoring a snapshot, a payload or a disk KV cache entry is not "
                                    "supported across ranks yet")
-        return False
 
-    def _header(self, op: int, p0: int, n: int, want: bool, reset: bool, H: mx.array | None) -> np.ndarray:
+    def _header(self, op: int, p0: int, n: int, want: bool, H: mx.array | None) -> np.ndarray:
         code = 0 if H is None else _DTYPES.index(H.dtype)
-        return np.array([op, p0, n, int(want), int(reset), code], dtype=np.int64)
+        return np.array([op, p0, n, int(want), code], dtype=np.int64)
 
     def forward_chunk(self, tokens: np.ndarray, cache: ModelCache,
                       want_logits: bool = True) -> tuple[mx.array | None, ModelCache]:
         if self.rank != 0:
             raise InferenceError("only rank 0 drives a pipeline; the other ranks run follow()")
-        tokens = np.asarray(tokens, dtype=np.int64)
-        reset = self._claim(cache)
-        if self.source is not None:
-            self.source.check_intact()
-        new = cache.copy()  # on an error here the caller keeps its cache, the other ranks theirs
-        with self.ops.stream():
-            H = self.embed(tokens)
-            H = self.run_blocks(H, tokens, new, [("the token embedding", all_finite(H))])
-        self._pass_on(self._header(_CHUNK, cache.n_tokens, len(tokens), want_logits, reset, H), tokens, H)
-        self._mirrored = new
-        logits = self._recv_logits() if want_logits else None
-        if logits is not None:
-            raise_nonfinite([("the output head", all_finite(logits))],
-                             f"positions {cache.n_tokens}..{cache.n_tokens + len(tokens) - 1}", self.source)
-        return logits, new
+        self._claim(cache)
+        return super().forward_chunk(tokens, cache, want_logits)
+
+    def _chunk_logits(self, H: mx.array, tokens: np.ndarray, p0: int, cache: ModelCache,
+                      want_logits: bool) -> mx.array | None:
+        # ``Model.forward_chunk`` ran rank 0's blocks on a copy of the caller's cache (on an error
+        # before this point the caller keeps its cache, the other ranks theirs); the rest runs there.
+        self._pass_on(self._header(_CHUNK, p0, len(tokens), want_logits, H), tokens, H)
+        self._mirrored = cache
+        return self._recv_logits() if want_logits else None
 
     def step(self, token: int, cache: ModelCache) -> mx.array:
         if self.rank != 0:
             raise InferenceError("only rank 0 drives a pipeline; the other ranks run follow()")
-        reset = self._claim(cache)
+        self._claim(cache)
         if self.source is not None:
             self.source.check_intact()
         p = cache.n_tokens
-        dec = self.decoder()
-        H = dec.finish(dec.layers(self.embed(np.array([token], dtype=np.int64)), int(token), cache))
-        cache.advance(p + 1)
+        H = self.decoder().run(self.embed(np.array([token], dtype=np.int64)), int(token), cache,
+                               head=False, evaluate=False)
         mx.eval(H, *cache.arrays())
-        self._pass_on(self._header(_STEP, p, 1, True, reset, H), np.array([token], dtype=np.int64), H)
+        self._pass_on(self._header(_STEP, p, 1, True, H), np.array([token], dtype=np.int64), H)
         self._mirrored = cache
         return self._recv_logits()
 
@@ -275,7 +254,7 @@ class PipelineModel(Model):
             return
         self._stopped = True
         try:
-            self._pass_on(np.array([_STOP, 0, 0, 0, 0, 0], dtype=np.int64), np.zeros(1, np.int64),
+            self._pass_on(self._header(_STOP, 0, 0, False, None), np.zeros(1, np.int64),
                           mx.zeros((1,), mx.float32))
         except DistributedError:
             pass  # the others are gone already: nothing to stop
@@ -292,7 +271,7 @@ class PipelineModel(Model):
         src = self.rank - 1
         while True:
             header = np.array(self._recv((_HEADER,), mx.int64, src))
-            op, p0, n, want, reset, code = (int(v) for v in header)
+            op, p0, n, want, code = (int(v) for v in header)
             tokens = np.array(self._recv((max(n, 1),), mx.int64, src))
             if op == _STOP:
                 self._recv((1,), mx.float32, src)
@@ -300,7 +279,7 @@ class PipelineModel(Model):
                     self._pass_on(header, tokens, mx.zeros((1,), mx.float32))
                 return
             H = self._recv((n, cfg.n_hc, cfg.n_embd), _DTYPES[code], src)
-            if reset:
+            if p0 == 0:  # rank 0 feeds an empty cache (``_claim``): start over
                 cache = ModelCache.empty(cfg)
             if cache.n_tokens != p0:
                 raise DistributedError(f"rank {self.rank}: out of step with rank 0 (it feeds position {p0}, "
@@ -312,13 +291,8 @@ class PipelineModel(Model):
                     H = self.run_blocks(H, tokens, cache)
                     out = self.head(H[-1:])[0] if self.is_last and want else None
             elif op == _STEP:
-                dec = self.decoder()
-                carry = dec.layers(H, int(tokens[0]), cache)
-                cache.advance(p0 + 1)
-                if self.is_last:
-                    out, H = dec.head(carry), None
-                else:
-                    out, H = None, dec.finish(carry)
+                y = self.decoder().run(H, int(tokens[0]), cache, head=self.is_last, evaluate=False)
+                out, H = (y, None) if self.is_last else (None, y)
                 mx.eval(*([] if H is None else [H]), *cache.arrays())
             else:
                 raise DistributedError(f"rank {self.rank}: unknown pipeline message {op} from rank {src}")
@@ -326,5 +300,5 @@ class PipelineModel(Model):
                 if out is not None:
                     self._send_logits(out)
             else:
-                header[5] = _DTYPES.index(H.dtype)
+                header[4] = _DTYPES.index(H.dtype)
                 self._pass_on(header, tokens, H)

@@ -48,23 +48,15 @@ class Runner:
         self.chunk = chunk
         want = _compile_default() if compile is None else bool(compile)
         self.compiled = want and model.ops.compilable
-        self._cache = ModelCache.empty(cfg)
+        # The live cache after ``n_tokens`` (take ``copy()`` for anything that must outlive the next
+        # feed: decode steps update it in place).
+        self.state = ModelCache.empty(cfg)
         self.tokens: list[int] = []
         self._logits: mx.array | None = None
 
     @property
-    def state(self) -> ModelCache:
-        """The live cache after ``n_tokens`` (take ``copy()`` for anything that must outlive the
-        next feed: decode steps update it in place)."""
-        return self._cache
-
-    @state.setter
-    def state(self, value: ModelCache) -> None:
-        self._cache = value
-
-    @property
     def n_tokens(self) -> int:
-        return self._cache.n_tokens
+        return self.state.n_tokens
 
     def _check(self, tokens: np.ndarray) -> None:
         n_vocab = self.model.config.n_vocab
@@ -88,10 +80,10 @@ class Runner:
             return
         i = 0
         while i < toks.size:
-            p = self._cache.n_tokens
+            p = self.state.n_tokens
             take = min(toks.size - i, self.chunk - p % self.chunk)
             last = i + take == toks.size
-            logits, self._cache = self.model.forward_chunk(toks[i: i + take], self._cache, want_logits=last)
+            logits, self.state = self.model.forward_chunk(toks[i: i + take], self.state, want_logits=last)
             if last:
                 self._logits = logits
             i += take
@@ -100,7 +92,7 @@ class Runner:
             allocator.trim_heap()
 
     def _decode(self, toks: np.ndarray) -> None:
-        self._logits = self.model.step(int(toks[0]), self._cache)
+        self._logits = self.model.step(int(toks[0]), self.state)
         self.tokens.extend(int(t) for t in toks)
 
     def eval(self, token: int) -> None:
@@ -115,11 +107,11 @@ class Runner:
 
     def nbytes(self) -> int:
         """Bytes of the live cache's buffers."""
-        return self._cache.nbytes
+        return self.state.nbytes
 
     def snapshot(self) -> tuple[ModelCache, list[int], mx.array | None]:
-        return self._cache.copy(), list(self.tokens), self._logits
+        return self.state.copy(), list(self.tokens), self._logits
 
     def restore(self, snap: tuple[ModelCache, list[int], mx.array | None]) -> None:
         state, tokens, logits = snap
-        self._cache, self.tokens, self._logits = state.copy(), list(tokens), logits
+        self.state, self.tokens, self._logits = state.copy(), list(tokens), logits

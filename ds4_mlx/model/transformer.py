@@ -81,6 +81,12 @@ class Model:
         """The numerics mode the model was loaded with (its ``ops``)."""
         return self.ops.numerics
 
+    @property
+    def expert_strategy(self) -> str:
+        """The routed-expert strategy the blocks were built with (``device_experts``): "device" when
+        their MoEs route on the device, else "host"."""
+        return "device" if any(b.ffn.routes_on_device for b in self.blocks) else "host"
+
     def embed(self, tokens: np.ndarray) -> mx.array:
         """[T] ids -> H [T, n_hc, n_embd]: the F16 row in every stream."""
         e = mx.array(np.asarray(self.embedding[tokens], dtype=np.float32))
@@ -122,17 +128,20 @@ class Model:
         H = self.embed(tokens)
         # the embedding's finiteness rides with the first layer's evaluation
         H = self.run_blocks(H, tokens, cache, [("the token embedding", all_finite(H))])
-        where = f"positions {p0}..{p0 + len(tokens) - 1}"
-        release = len(tokens) > 1
-        logits = None
-        if want_logits:
-            logits = self.head(H[-1:])[0]
+        logits = self._chunk_logits(H, tokens, p0, cache, want_logits)
+        if logits is not None:
             ok = all_finite(logits)
             mx.eval(logits, ok)
-            raise_nonfinite([("the output head", ok)], where, self.source)
-        if release:
+            raise_nonfinite([("the output head", ok)], f"positions {p0}..{p0 + len(tokens) - 1}", self.source)
+        if len(tokens) > 1:
             allocator.release_file_pages(self.embedding)  # the output matrix, on its first use
         return logits, cache
+
+    def _chunk_logits(self, H: mx.array, tokens: np.ndarray, p0: int, cache: ModelCache,
+                      want_logits: bool) -> mx.array | None:
+        """The last token's logits (lazy) from H after the blocks of a chunk at p0.. (``cache``:
+        the cache after it), or None when not wanted; a pipeline's rank 0 gets them from the last rank."""
+        return self.head(H[-1:])[0] if want_logits else None
 
     def run_blocks(self, H: mx.array, tokens: np.ndarray, cache: ModelCache,
                    pending: list[tuple[str, mx.array]] | None = None) -> mx.array:
