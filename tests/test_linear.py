@@ -315,6 +315,57 @@ def test_cpu_transposed_operand_is_bit_identical(qtype):
         assert np.array_equal(np.array(w(x)), np.array(mx.matmul(x, w.dense().T)))
 
 
+_BUILD_PEAK = r"""
+import sys
+import numpy as np
+import ds4_mlx
+import mlx.core as mx
+from ds4_mlx.formats import quants
+from ds4_mlx.formats.ggml_types import GGMLType
+from ds4_mlx.model.linear import DenseWeight
+
+def kib(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+
+out_dim, n_in = 8192, 4096  # 128 MiB as float32
+rng = np.random.default_rng(0)
+raw = rng.integers(0, 256, (out_dim, n_in // 32, 34), dtype=np.uint8)
+raw[:, :, 0:2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)  # finite scales
+raw = raw.reshape(out_dim, -1)
+w = DenseWeight("w", GGMLType.Q8_0, raw, n_in, "cpu")
+form = sys.argv[1]
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # reset VmHWM to the current RSS
+before = kib("VmRSS")
+a = w.dense_t() if form == "dense_t" else w.dense()
+mx.eval(a)
+peak = kib("VmHWM") - before
+want = quants.dequantize_rows(raw[:7], GGMLType.Q8_0)
+got = np.array(a)[:, :7].T if form == "dense_t" else np.array(a)[:7]
+assert np.array_equal(got, want)
+print(peak)
+"""
+
+
+@pytest.mark.parametrize("form", ["dense_t", "dense"])
+def test_float32_cache_is_built_without_a_second_copy(form):
+    # mx.array(numpy) copies: building the whole float32 matrix in numpy first held it twice at the
+    # peak (2 GiB more for the real model's output head). Built through a view of the MLX buffer,
+    # the peak is the matrix plus one ~16 MiB slab.
+    import os
+    import subprocess
+    import sys
+
+    if not os.access("/proc/self/clear_refs", os.W_OK):
+        pytest.skip("needs Linux's /proc/self/clear_refs to reset the peak RSS")
+    run = subprocess.run([sys.executable, "-c", _BUILD_PEAK, form], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    peak_mib = int(run.stdout.split()[-1]) / 1024
+    assert 128 <= peak_mib < 128 * 1.4, f"building a 128 MiB float32 cache peaked at +{peak_mib:.0f} MiB"
+
+
 def test_rows_share_caches_and_match_parent():
     rng = np.random.default_rng(5)
     raw = quants.quantize_q8_0(rng.standard_normal((64, 64)).astype(np.float32))

@@ -90,6 +90,33 @@ def resolve_backend(backend: "Backend | str | None") -> Backend:
 
 
 # --------------------------------------------------------------------------------------------------
+# float32 caches built in place
+
+
+def _mlx_buffer(shape: tuple[int, int]) -> tuple[mx.array, np.ndarray]:
+    """A new float32 MLX array and a writable numpy view of its memory.
+
+    The dense float32 caches are filled through the view, a slab of rows at a time, because
+    ``mx.array(numpy)`` copies: building the whole matrix in numpy first held it twice at the peak
+    (the real model's 129280x4096 output head: 2 GiB more, +2.5 GiB VmHWM on the 4-layer real-dims
+    model). MLX documents that ``np.array(a, copy=False)`` shares the array's memory.
+    """
+    a = mx.zeros(shape, dtype=mx.float32)
+    mx.eval(a)
+    view = np.array(a, copy=False)
+    if not (view.flags.writeable and view.flags.c_contiguous and view.shape == tuple(shape)):
+        raise RuntimeError(f"MLX did not give a writable contiguous view of a {shape} float32 array")
+    return a, view
+
+
+def _row_slabs(out_dim: int, n_in: int):
+    """[r0, r1) row ranges of ~16 MiB of float32 (at least one row each)."""
+    step = max(1, (1 << 22) // n_in)
+    for r0 in range(0, out_dim, step):
+        yield r0, min(out_dim, r0 + step)
+
+
+# --------------------------------------------------------------------------------------------------
 # Q8_0 -> MLX affine 8-bit
 
 
@@ -228,11 +255,10 @@ class DenseWeight:
         if self._parent is not None:
             return self._slice(self._parent.dense(), 0)
         if self._dense is None:
-            if self.qtype == GGMLType.Q8_0:
-                w = dequantize_rows(self.raw, GGMLType.Q8_0)
-            else:
-                w = np.asarray(self.raw, dtype=np.float32)
-            self._dense = mx.array(w)
+            out_dim, n_in = self.shape
+            self._dense, w = _mlx_buffer((out_dim, n_in))
+            for r0, r1 in _row_slabs(out_dim, n_in):
+                w[r0:r1] = self._float_rows(r0, r1)
         return self._dense
 
     def dense_t(self) -> mx.array:
@@ -243,22 +269,22 @@ class DenseWeight:
         ``sgemm(NoTrans, NoTrans)`` on the transposed copy (the 129280x512 output head: 93 vs 50 ms on a
         loaded 2-core box, the latter on par with ``cblas_sgemv``), and never faster for a chunk. Both
         pack the operand into the same panels, so the products are bit-identical (``test_linear``).
-        Built a slab of rows at a time into the transposed buffer, so the peak is that of ``dense()``.
+        Built a slab of rows at a time straight into the MLX buffer (``_mlx_buffer``).
         Row slices do not use it: a column slice of the transposed root is not contiguous, and MLX
         would copy it on every call; they multiply the shared ``dense()`` as before.
         """
         if self._dense_t is None:
             out_dim, n_in = self.shape
-            wt = np.empty((n_in, out_dim), dtype=np.float32)
-            step = max(1, (1 << 22) // n_in)  # rows per slab: a 16 MiB float32 temporary
-            for r0 in range(0, out_dim, step):
-                r1 = min(out_dim, r0 + step)
-                if self.qtype == GGMLType.Q8_0:
-                    wt[:, r0:r1] = dequantize_rows(self.raw[r0:r1], GGMLType.Q8_0).T
-                else:
-                    wt[:, r0:r1] = np.asarray(self.raw[r0:r1], dtype=np.float32).T
-            self._dense_t = mx.array(wt)
+            self._dense_t, wt = _mlx_buffer((n_in, out_dim))
+            for r0, r1 in _row_slabs(out_dim, n_in):
+                wt[:, r0:r1] = self._float_rows(r0, r1).T
         return self._dense_t
+
+    def _float_rows(self, r0: int, r1: int) -> np.ndarray:
+        """Rows [r0, r1) of the root weight as float32 numpy (the numpy dequantization)."""
+        if self.qtype == GGMLType.Q8_0:
+            return dequantize_rows(self.raw[r0:r1], GGMLType.Q8_0)
+        return np.asarray(self.raw[r0:r1], dtype=np.float32)
 
     def affine(self) -> tuple[mx.array, mx.array, mx.array]:
         """The Q8_0 weight in MLX's affine 8-bit group-32 form (see ``q8_0_to_affine``)."""
