@@ -33,8 +33,8 @@ Reported:
 ``decode_tps``, ``host_syncs_per_token`` and ``host_bytes_per_token`` (counted by ``host_traffic``
 around the timed decode loop: evaluations, reads and numpy conversions of MLX arrays; bytes copied
 to the host and handed from the host to MLX, plus expert slabs copied out of the mmap),
-``engine_host_syncs_per_token`` (the same count for the engine's ``Session`` loop, which evaluates
-the step and then copies the logits to numpy to sample on the host), ``weight_bytes_per_token``
+``engine_host_syncs_per_token`` (the same count for the engine's ``Session`` loop, which copies
+the logits to numpy to sample on the host; that one read also evaluates the step), ``weight_bytes_per_token``
 (GGUF bytes a decoded token's matmuls read: the dense weights, its embedding row, k experts of each
 routed tensor), ``expert_bytes_resident`` (the device strategy's
 copy of the expert blocks), ``peak_rss_bytes`` (VmHWM). Its decode loop is the compiled step with the
@@ -281,8 +281,8 @@ def greedy_decode(model, cache: ModelCache, token: int, n: int) -> tuple[list[in
 
 def engine_loop_syncs(model, cache: ModelCache, token: int, n: int) -> float:
     """Host syncs per token of the engine's own loop (``Runner.eval`` then ``logits()`` to numpy and
-    a host argmax, as ``Session`` decodes) from the state in ``cache``, for comparison: it evaluates
-    the step, then copies the logits out, so it stays above the device-greedy loop's one."""
+    a host argmax, as ``Session`` decodes) from the state in ``cache``, for comparison with the
+    device-greedy loop: the logits' copy to numpy is its one sync (it evaluates the step with them)."""
     r = model.new_session(ctx=cache.n_tokens + n + 8, compile=True)
     r.restore((cache, [0] * cache.n_tokens, None))  # restore copies the cache
     r.eval(token)  # the first step's traces

@@ -265,6 +265,37 @@ def test_snapshot_restore_mid_decode(model, tokens):
     assert s.n_tokens == 90 and np.array_equal(bits(s.logits()), bits(other.logits()))
 
 
+def test_unread_steps_settle_like_read_ones(model, tokens, monkeypatch):
+    """A compiled step leaves the cache lazy until its logits are read (one sync per decoded token);
+    feeds whose logits nobody reads are evaluated before the next feed, a snapshot or a chunk, so
+    they give the same bits as steps read one by one, and the graph never spans more than one step."""
+    read = model.new_session(ctx=4096)
+    unread = model.new_session(ctx=4096)
+    for r in (read, unread):
+        r.prefill(tokens[:40])
+    evals = []
+    real_eval = mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *a: (evals.append(len(a)), real_eval(*a))[1])
+    for t in tokens[40:50]:
+        read.eval(t)
+        read.logits()
+    assert evals == []  # read every step: the logits' copy is the only sync
+    for t in tokens[40:50]:
+        unread.eval(t)
+    assert len(evals) == 9  # each unread step settled by the next feed
+    snap = unread.snapshot()  # settles the last one
+    assert len(evals) == 10 and not unread._lazy
+    assert np.array_equal(bits(unread.logits()), bits(read.logits()))
+    assert_states_bit_equal(snap[0], read.state)
+    unread.eval(tokens[50])
+    unread.prefill(tokens[51:60])  # a chunk after an unread step
+    read.eval(tokens[50])
+    read.logits()
+    read.prefill(tokens[51:60])
+    assert np.array_equal(bits(unread.logits()), bits(read.logits()))
+    assert_states_bit_equal(unread.state, read.state)
+
+
 def test_opt_out_and_ds4_cpu_stay_on_the_chunk_path(model, tiny_model_path, tokens, monkeypatch):
     seen = []
     orig_chunk, orig_step = model.forward_chunk, model.step
@@ -273,9 +304,9 @@ def test_opt_out_and_ds4_cpu_stay_on_the_chunk_path(model, tiny_model_path, toke
         seen.append("chunk")
         return orig_chunk(toks, state, want_logits)
 
-    def spy_step(token, cache):
+    def spy_step(token, cache, **kw):
         seen.append("step")
-        return orig_step(token, cache)
+        return orig_step(token, cache, **kw)
 
     monkeypatch.setattr(model, "forward_chunk", spy_chunk)
     monkeypatch.setattr(model, "step", spy_step)

@@ -234,7 +234,8 @@ class PipelineModel(Model):
         self._mirrored = cache
         return self._recv_logits() if want_logits else None
 
-    def step(self, token: int, cache: ModelCache) -> mx.array:
+    def step(self, token: int, cache: ModelCache, *, evaluate: bool = True) -> mx.array:
+        # ``evaluate`` is accepted for the Model interface; H is evaluated here anyway, to be sent
         if self.rank != 0:
             raise InferenceError("only rank 0 drives a pipeline; the other ranks run follow()")
         self._claim(cache)

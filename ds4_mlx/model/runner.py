@@ -53,6 +53,11 @@ class Runner:
         self.state = ModelCache.empty(cfg)
         self.tokens: list[int] = []
         self._logits: mx.array | None = None
+        # A compiled decode step leaves the cache's new arrays lazy, tied to its logits: the caller's
+        # one read of the logits (``logits()``) evaluates both, one host sync per decoded token. A
+        # feed whose logits nobody read is evaluated before the next one (``_settle``), so a run of
+        # unread one-token feeds never grows one long lazy graph.
+        self._lazy = False
 
     @property
     def n_tokens(self) -> int:
@@ -75,6 +80,7 @@ class Runner:
         if toks.size == 0:
             return
         self._check(toks)
+        self._settle()
         if toks.size == 1 and self.compiled:
             self._decode(toks)
             return
@@ -92,8 +98,16 @@ class Runner:
             allocator.trim_heap()
 
     def _decode(self, toks: np.ndarray) -> None:
-        self._logits = self.model.step(int(toks[0]), self.state)
+        logits = self.model.step(int(toks[0]), self.state, evaluate=False)
+        self._logits = mx.depends([logits], self.state.arrays())[0]
+        self._lazy = True
         self.tokens.extend(int(t) for t in toks)
+
+    def _settle(self) -> None:
+        """Evaluate a decode step whose logits were never read (see ``_lazy``)."""
+        if self._lazy:
+            mx.eval(*self.state.arrays())
+            self._lazy = False
 
     def eval(self, token: int) -> None:
         """Feed one token (decode step)."""
@@ -103,15 +117,19 @@ class Runner:
         """float32 [n_vocab]: next-token logits after everything fed so far."""
         if self._logits is None:
             raise InferenceError("no logits yet: feed at least one token first")
-        return np.array(self._logits, dtype=np.float32)
+        out = np.array(self._logits, dtype=np.float32)
+        self._lazy = False  # the read evaluated the step's cache arrays with the logits
+        return out
 
     def nbytes(self) -> int:
         """Bytes of the live cache's buffers."""
         return self.state.nbytes
 
     def snapshot(self) -> tuple[ModelCache, list[int], mx.array | None]:
+        self._settle()
         return self.state.copy(), list(self.tokens), self._logits
 
     def restore(self, snap: tuple[ModelCache, list[int], mx.array | None]) -> None:
         state, tokens, logits = snap
         self.state, self.tokens, self._logits = state.copy(), list(tokens), logits
+        self._lazy = False  # a snapshot is taken settled

@@ -104,12 +104,13 @@ class Model:
             self._decoders[compile] = CompiledDecoder(self, compile=compile)
         return self._decoders[compile]
 
-    def step(self, token: int, cache: ModelCache) -> mx.array:
+    def step(self, token: int, cache: ModelCache, *, evaluate: bool = True) -> mx.array:
         """Feed one token through the compiled decode step (DEFAULT numerics); updates ``cache`` in
-        place and returns the next-token logits, lazily."""
+        place and returns the next-token logits, lazily (``evaluate=False``: the cache's new arrays
+        too, see ``CompiledDecoder.step``)."""
         if self.source is not None:
             self.source.check_intact()
-        return self.decoder().step(int(token), cache)
+        return self.decoder().step(int(token), cache, evaluate=evaluate)
 
     def forward_chunk(self, tokens: np.ndarray, cache: ModelCache,
                       want_logits: bool = True) -> tuple[mx.array | None, ModelCache]:
