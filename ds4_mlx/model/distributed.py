@@ -47,7 +47,7 @@ from ds4_mlx.model import join_watchdog
 from ds4_mlx.model.cache import ModelCache
 from ds4_mlx.model.transformer import Model
 
-MODES = ("pipeline",)
+MODES = ("pipeline", "experts")
 DEFAULT_JOIN_TIMEOUT_S = 120.0
 
 # The command ops. 0..15 are this module's and the modes'; further commands take the next free number.
