@@ -187,9 +187,23 @@ class ExpertParallelModel(DistributedModel):
         self._driver_only()
         self._claim(cache)
         self.command(Command(STEP, cache.n_tokens, np.array([token], dtype=np.int64), True))
-        logits = super().step(token, cache)
+        H = self._decode(int(token), cache)
         self.mirrored(cache)
-        return logits
+        # Lazy, as ``Model.step``'s: a caller that never reads them skips the head. (The compiled
+        # decode's head function is the finish function plus this head; eager and compiled give
+        # the same bits, ``compiled_decode``.)
+        return self.head(H)[0]
+
+    def _decode(self, token: int, cache: ModelCache) -> mx.array:
+        """The compiled decode step without the head, evaluated: every layer's all_sum runs now, on
+        every rank, whether or not rank 0 ever reads this step's logits (a rank that skipped its
+        last layer's all_sum would leave the others waiting for it)."""
+        if self.source is not None:
+            self.source.check_intact()
+        H = self.decoder().run(self.embed(np.array([token], dtype=np.int64)), token, cache,
+                               head=False, evaluate=False)
+        mx.eval(H, *cache.arrays())
+        return H
 
     # -- the other ranks ----------------------------------------------------------------------
 
@@ -201,9 +215,4 @@ class ExpertParallelModel(DistributedModel):
             pass  # rank 0 computed the same values, raised the same error and keeps its cache too
 
     def follow_step(self, cmd: Command) -> None:
-        cache = self.live_cache(cmd)
-        token = int(cmd.tokens[0])
-        # head=False: the last layer's FFN (and its all_sum) without the output head
-        H = self.decoder().run(self.embed(np.array([token], dtype=np.int64)), token, cache,
-                               head=False, evaluate=False)
-        mx.eval(H, *cache.arrays())
+        self._decode(int(cmd.tokens[0]), self.live_cache(cmd))
