@@ -36,6 +36,7 @@ import math
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -141,6 +142,16 @@ class Transport:
             a = mx.distributed.recv(shape, dtype, src, group=self.group, stream=mx.cpu)
             mx.eval(a)  # now: an unread message would shift every later one
             return a
+        except RuntimeError as exc:
+            raise self.lost(exc) from None
+
+    @contextmanager
+    def collective(self):
+        """Around evaluations that hold collectives (an expert-parallel layer's ``all_sum``): a lost
+        rank surfaces as MLX's RuntimeError from whichever evaluation runs the collective, anywhere in
+        the model code; here it becomes the one-line ``DistributedError`` of a lost link."""
+        try:
+            yield
         except RuntimeError as exc:
             raise self.lost(exc) from None
 

@@ -179,7 +179,8 @@ class ExpertParallelModel(DistributedModel):
         self._driver_only()
         self._claim(cache)
         self.command(Command(CHUNK, cache.n_tokens, np.asarray(tokens, dtype=np.int64).reshape(-1), want_logits))
-        logits, new = super().forward_chunk(tokens, cache, want_logits)
+        with self.transport.collective():
+            logits, new = super().forward_chunk(tokens, cache, want_logits)
         self.mirrored(new)
         return logits, new
 
@@ -200,9 +201,10 @@ class ExpertParallelModel(DistributedModel):
         last layer's all_sum would leave the others waiting for it)."""
         if self.source is not None:
             self.source.check_intact()
-        H = self.decoder().run(self.embed(np.array([token], dtype=np.int64)), token, cache,
-                               head=False, evaluate=False)
-        mx.eval(H, *cache.arrays())
+        with self.transport.collective():
+            H = self.decoder().run(self.embed(np.array([token], dtype=np.int64)), token, cache,
+                                   head=False, evaluate=False)
+            mx.eval(H, *cache.arrays())
         return H
 
     # -- the other ranks ----------------------------------------------------------------------
@@ -210,7 +212,8 @@ class ExpertParallelModel(DistributedModel):
     def follow_chunk(self, cmd: Command) -> None:
         cache = self.live_cache(cmd)
         try:
-            _, self.cache = Model.forward_chunk(self, cmd.tokens, cache, want_logits=False)
+            with self.transport.collective():
+                _, self.cache = Model.forward_chunk(self, cmd.tokens, cache, want_logits=False)
         except NonFiniteError:
             pass  # rank 0 computed the same values, raised the same error and keeps its cache too
 
