@@ -114,6 +114,16 @@ def test_hostile_ids_are_one_line(tiny_file):
             e(x, bad)
 
 
+def test_experts_without_a_launcher_is_one_line(tiny_model_path):
+    env = {k: None for k in ("MLX_HOSTFILE", "MLX_RANK")}
+    r = _run(CLI + ["generate", "-m", str(tiny_model_path), "-p", "hi", "--distributed", "experts"], timeout=120,
+             **env)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "ds4-mlx generate: error: --distributed experts needs two or more ranks: start every rank with "
+        "mlx.launch (e.g. mlx.launch -n 2 --backend ring -- ds4-mlx generate ...)"]
+
+
 # -- two ranks on loopback ----------------------------------------------------------------------------
 
 
