@@ -16,9 +16,9 @@ receive a command, relay it, dispatch it to the handler the mode registered for 
 
 A mode subclasses ``DistributedModel`` and supplies only what differs: what rank 0 does around the
 command for a chunk and a step, and the follower's ``follow_chunk`` / ``follow_step``. A new
-command (say, keep the live cache under an id) is one op number in ``OPS``-style constants plus one
-entry in ``handlers()``; its argument rides in the header's ``arg`` field, bulk data follows with
-``Transport.send_array``.
+command (say, keep the live cache under an id) is one op number next to STOP/CHUNK/STEP, what rank 0
+sends (``command(Command(op, ..., arg=...))``) and one entry in ``handlers()``; its integer argument
+rides in the header's ``arg`` field, bulk data follows on the same links with ``Transport.send_array``.
 
 The other ranks mirror rank 0's *live* cache only: rank 0 continues the cache it last fed (or an
 empty one, which resets them); any other state is refused with a ``DistributedError`` (``_claim``)
