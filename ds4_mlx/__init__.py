@@ -63,8 +63,10 @@ def load(path_or_repo, numerics: str = "default", **kwargs):
     numpy, slabs read out of the mmap on demand) or "auto" (default: device on a GPU, host on the
     CPU, where device only doubles the expert memory). A bad value raises a one-line ``LayoutError``.
     ``distributed="pipeline"``: run under ``mlx.launch``, the layers split over the ranks
-    (``ds4_mlx.model.pipeline``); only rank 0 returns, the other ranks serve their layers inside
-    this call and exit when rank 0 does (``join_timeout``: seconds to wait for them, default 120).
+    (``ds4_mlx.model.pipeline``); ``distributed="experts"``: every rank holds the dense weights and
+    its share of each layer's routed experts (``ds4_mlx.model.expert_parallel``). Only rank 0
+    returns, the other ranks serve their part inside this call and exit when rank 0 does
+    (``join_timeout``: seconds to wait for them, default 120).
     """
     from ds4_mlx.engine.engine import Engine
 

@@ -1,4 +1,6 @@
-"""Pipeline-parallel runs (``--distributed pipeline``, ``model/pipeline.py``) on two loopback ranks.
+"""Distributed runs on two loopback ranks: the pipeline mode (``--distributed pipeline``,
+``model/pipeline.py``), and the failure handling both modes share (``model/distributed.py``; the
+expert-parallel mode's own tests are ``test_expert_parallel.py``).
 
 The ranks are started the way users start them, with ``mlx.launch -n 2 --backend ring`` (or, for
 the failure tests, by hand with a hostfile, so that our own handling is tested and not the
@@ -117,8 +119,8 @@ def test_unknown_mode_is_refused(capsys, tiny_model_path):
     from ds4_mlx.frontends.cli import main
     import ds4_mlx
 
-    assert main(["generate", "-m", str(tiny_model_path), "-p", "hi", "--distributed", "experts"]) == 2
-    assert "invalid choice: 'experts'" in capsys.readouterr().err
+    assert main(["generate", "-m", str(tiny_model_path), "-p", "hi", "--distributed", "tensor"]) == 2
+    assert "invalid choice: 'tensor'" in capsys.readouterr().err
     with pytest.raises(LayoutError, match="unknown distributed mode 'tensor'"):
         ds4_mlx.load(tiny_model_path, distributed="tensor")
 
@@ -200,10 +202,14 @@ def test_each_rank_builds_only_its_layers_and_refuses_foreign_states(tiny_model_
 # -- failure: bounded, one line ------------------------------------------------------------------------
 
 
-def test_a_rank_that_never_joins_ends_the_run(tiny_model_path, tmp_path):
+MODES = ["pipeline", "experts"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_rank_that_never_joins_ends_the_run(tiny_model_path, tmp_path, mode):
     hosts = _hostfile(tmp_path)
     t0 = time.monotonic()
-    r = _run(CLI + ["generate", "-m", str(tiny_model_path), "-p", "hi", "--distributed", "pipeline"], timeout=60,
+    r = _run(CLI + ["generate", "-m", str(tiny_model_path), "-p", "hi", "--distributed", mode], timeout=60,
              MLX_HOSTFILE=str(hosts), MLX_RANK="0", DS4_MLX_DIST_TIMEOUT="3")
     assert time.monotonic() - t0 < 30
     assert r.returncode != 0
@@ -212,12 +218,12 @@ def test_a_rank_that_never_joins_ends_the_run(tiny_model_path, tmp_path):
         "(is every host of the hostfile running the same command?)"]
 
 
-def _kill_one_rank_mid_generation(model, tmp_path, victim: int) -> tuple[int, bytes, str]:
+def _kill_one_rank_mid_generation(model, tmp_path, victim: int, mode: str) -> tuple[int, bytes, str]:
     """Two ranks started by hand; once rank 0 has printed, ``victim`` is SIGKILLed. The other rank
     must stop within a bound: returns its exit status, the rest of its stdout, and its stderr."""
     hosts = _hostfile(tmp_path)
     cmd = CLI + ["generate", "-m", str(model), "-p", PROMPT, "--raw", "--temp", "0", "-n", "400",
-                 "--distributed", "pipeline"]
+                 "--distributed", mode]
     survivor = 1 - victim
     procs = {}
     for rank in (1, 0):
@@ -243,9 +249,10 @@ def _our_lines(err: str) -> list[str]:
     return [line for line in err.splitlines() if line.startswith("ds4-mlx")]
 
 
-def test_a_killed_rank_ends_the_run_cleanly(tiny_model_path, tmp_path):
+@pytest.mark.parametrize("mode", MODES)
+def test_a_killed_rank_ends_the_run_cleanly(tiny_model_path, tmp_path, mode):
     """Rank 1 is SIGKILLed mid-generation: rank 0 stops within a bound with one error line."""
-    code, _, err = _kill_one_rank_mid_generation(tiny_model_path, tmp_path, victim=1)
+    code, _, err = _kill_one_rank_mid_generation(tiny_model_path, tmp_path, victim=1, mode=mode)
     assert code == 2, err
     ours = _our_lines(err)
     assert len(ours) == 1 and ours[0].startswith(
@@ -253,9 +260,10 @@ def test_a_killed_rank_ends_the_run_cleanly(tiny_model_path, tmp_path):
     assert "Traceback" not in err
 
 
-def test_a_killed_rank_0_ends_the_other_rank(tiny_model_path, tmp_path):
+@pytest.mark.parametrize("mode", MODES)
+def test_a_killed_rank_0_ends_the_other_rank(tiny_model_path, tmp_path, mode):
     """The driver dies mid-generation: the follower stops within a bound with one error line."""
-    code, out, err = _kill_one_rank_mid_generation(tiny_model_path, tmp_path, victim=0)
+    code, out, err = _kill_one_rank_mid_generation(tiny_model_path, tmp_path, victim=0, mode=mode)
     assert code == 2, err
     assert out == b""  # only rank 0 prints text
     ours = _our_lines(err)

@@ -72,16 +72,17 @@ class Engine:
     def open(cls, path: str | os.PathLike, numerics: str = "default", **kwargs) -> "Engine":
         """Open a GGUF (or an ``hf:REPO/FILE`` spec); ``kwargs`` go to ``model.loader.load``.
 
-        With ``distributed="pipeline"`` only rank 0 returns: every other rank serves its layers
-        here and exits (``SystemExit(0)``) when rank 0 ends, so one script runs on every rank."""
+        With ``distributed`` ("pipeline" / "experts") only rank 0 returns: every other rank follows
+        rank 0's commands here and exits (``SystemExit(0)``) when rank 0 ends, so one script runs on
+        every rank."""
         from ds4_mlx.model.loader import load as load_network
 
         t0 = time.perf_counter()
         path = resolve_model_path(path)
         network = load_network(path, numerics=numerics, **kwargs)
         if getattr(network, "rank", 0) != 0:
-            # A pipeline rank other than 0 (``model.pipeline``): it serves its layers for rank 0,
-            # which owns tokenizer, sessions and output, and ends the process when rank 0 stops.
+            # A rank other than 0 (``model.distributed``): it serves its part for rank 0, which owns
+            # tokenizer, sessions and output, and ends the process when rank 0 stops.
             network.follow()
             raise SystemExit(0)
         # the network keeps its GGUFFile open: build the tokenizer from it rather than reopening the file

@@ -141,11 +141,11 @@ def check_ctx(text: str, name: str) -> int:
     return check_number(text, name, int, **_CTX_RANGE)
 
 
-# The model layer's choices (``model.device_experts.STRATEGIES``, ``model.pipeline.MODES``), restated
+# The model layer's choices (``model.device_experts.STRATEGIES``, ``model.distributed.MODES``), restated
 # because importing those modules loads mlx, and ``ds4-mlx --help`` builds every command's parser;
 # test_cli_args checks that the two agree.
 EXPERT_STRATEGIES = ("auto", "device", "host")
-DISTRIBUTED_MODES = ("pipeline",)
+DISTRIBUTED_MODES = ("pipeline", "experts")
 
 
 def add_model_options(p: argparse.ArgumentParser, *, distributed: bool = False) -> None:
@@ -161,8 +161,9 @@ def add_model_options(p: argparse.ArgumentParser, *, distributed: bool = False) 
                         "host on the CPU (default)")
     if distributed:
         p.add_argument("--distributed", choices=DISTRIBUTED_MODES, default=None,
-                       help="pipeline: split the layers over the ranks started by mlx.launch (rank 0 prints; "
-                            "e.g. mlx.launch -n 2 --backend ring -- ds4-mlx generate ... --distributed pipeline)")
+                       help="run over the ranks started by mlx.launch (rank 0 prints; e.g. mlx.launch -n 2 "
+                            "--backend ring -- ds4-mlx generate ... --distributed pipeline). pipeline: split the "
+                            "layers; experts: every rank holds the dense weights and its share of the routed experts")
     else:
         p.set_defaults(distributed=None)
 

@@ -24,7 +24,7 @@ from ds4_mlx.model.hyper_connection import HyperConnection, OutputHC
 from ds4_mlx.model.indexer import Indexer
 from ds4_mlx.model.linear import DenseWeight
 from ds4_mlx.model.moe import MoE
-from ds4_mlx.model import pipeline
+from ds4_mlx.model import distributed as dist, expert_parallel, pipeline
 from ds4_mlx.model.ops import DefaultOps, Numerics, ops_for
 from ds4_mlx.model.rope import Rope
 from ds4_mlx.model.transformer import Block, Model
@@ -46,10 +46,13 @@ def parse_numerics(numerics: str | Numerics) -> Numerics:
 class _Weights:
     """Name-checked access to the GGUF tensors."""
 
-    def __init__(self, f: GGUFFile, backend: str | None = None, experts: str = "host"):
+    def __init__(self, f: GGUFFile, backend: str | None = None, experts: str = "host",
+                 owned: range | None = None):
         self.f = f
+        self.backend = backend
         self.kw = {} if backend is None else {"backend": backend}
         self.expert_cls = DeviceExpertWeights if experts == "device" else ExpertWeights
+        self.owned = owned  # an expert-parallel rank's routed experts (None: all of them)
 
     def has(self, name: str) -> bool:
         return name in self.f.tensors
@@ -72,10 +75,12 @@ class _Weights:
     def experts(self, name: str) -> ExpertWeights:
         if name not in self.f.tensors:
             raise LayoutError(f"{self.f.path}: tensor {name!r} is missing")
+        if self.owned is not None:
+            return expert_parallel.OwnedExperts.from_gguf(self.expert_cls, self.f, name, self.owned, self.backend)
         return self.expert_cls.from_gguf(self.f, name, **self.kw)
 
 
-def _block(cfg: ModelConfig, w: _Weights, il: int, ops: DefaultOps) -> Block:
+def _block(cfg: ModelConfig, w: _Weights, il: int, ops: DefaultOps, gather=None) -> Block:
     p = f"blk.{il}."
     eps, n_hc = cfg.rms_eps, cfg.n_hc
     ratio = cfg.compress_ratio(il)
@@ -131,7 +136,7 @@ def _block(cfg: ModelConfig, w: _Weights, il: int, ops: DefaultOps) -> Block:
               gate_sh=w.dense(f"{p}ffn_gate_shexp.weight"), up_sh=w.dense(f"{p}ffn_up_shexp.weight"),
               down_sh=w.dense(f"{p}ffn_down_shexp.weight"),
               n_used=cfg.n_expert_used, weight_scale=cfg.expert_weights_scale, clamp=cfg.swiglu_clamp[il], eps=eps,
-              ops=ops)
+              ops=ops, gather=gather)
     return Block(il, hc("attn"), attn, hc("ffn"), ffn)
 
 
@@ -148,19 +153,25 @@ def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend:
     "auto" (default): device on a GPU backend (Metal, CUDA), host on MLX's CPU backend, where the
     device strategy doubles the expert memory and re-dequantizes the selected experts every step.
     Both strategies give ds4-cpu's exact bits; in default numerics they agree to rounding.
-    ``distributed``: None, or "pipeline" to join the ranks ``mlx.launch`` started (waiting at most
-    ``join_timeout`` seconds) and build only this rank's layers (``model.pipeline``).
+    ``distributed``: None, or join the ranks ``mlx.launch`` started (waiting at most ``join_timeout``
+    seconds) and build this rank's part: "pipeline", only its layers (``model.pipeline``);
+    "experts", every dense weight and only its share of each layer's routed experts
+    (``model.expert_parallel``).
     """
     mode = parse_numerics(numerics)
     strategy = resolve_strategy(experts)  # bad values fail before the file is opened
-    if distributed is not None and distributed not in pipeline.MODES:
-        raise LayoutError(f"unknown distributed mode {distributed!r}; expected one of {list(pipeline.MODES)}")
+    if distributed is not None and distributed not in dist.MODES:
+        raise LayoutError(f"unknown distributed mode {distributed!r}; expected one of {list(dist.MODES)}")
     f, cfg = _open(path)
     try:
         if distributed is not None:
-            group = pipeline.join(join_timeout)
-            ranges = pipeline.gguf_split(f, cfg.n_layer, group.size())
-            model = _build(f, cfg, mode, backend, strategy, group=group, layers=ranges[group.rank()])
+            group = dist.join(join_timeout, distributed)
+            if distributed == "experts":
+                owned = expert_parallel.owners(cfg.n_expert, group.size())[group.rank()]
+                model = _build(f, cfg, mode, backend, strategy, group=group, experts=owned)
+            else:
+                ranges = pipeline.gguf_split(f, cfg.n_layer, group.size())
+                model = _build(f, cfg, mode, backend, strategy, group=group, layers=ranges[group.rank()])
         else:
             model = _build(f, cfg, mode, backend, strategy)
         f.check_intact()  # truncated while loading: a clean error naming it, before any use
@@ -171,10 +182,11 @@ def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend:
 
 
 def _build(f: GGUFFile, cfg: ModelConfig, mode: Numerics, backend: str | None, strategy: str = "host",
-           group=None, layers: range | None = None) -> Model:
+           group=None, layers: range | None = None, experts: range | None = None) -> Model:
     """The whole model, or with ``group``: one pipeline rank's part (its ``layers`` only; the output
-    head only on the last rank), so the rank never builds, copies or reads the other layers."""
-    w = _Weights(f, backend, strategy)
+    head only on the last rank), so the rank never builds, copies or reads the other layers; or one
+    expert-parallel rank's (all layers, only the routed ``experts`` it owns)."""
+    w = _Weights(f, backend, strategy, owned=experts)
     emb_name = "token_embd.weight"
     if not w.has(emb_name):
         raise LayoutError(f"{f.path}: tensor {emb_name!r} is missing")
@@ -184,7 +196,8 @@ def _build(f: GGUFFile, cfg: ModelConfig, mode: Numerics, backend: str | None, s
                           f"found {embedding.dtype} {embedding.shape}")
     ops = ops_for(mode)  # the numerics, bound once: every module gets this object
     own = range(cfg.n_layer) if layers is None else layers
-    blocks = [_block(cfg, w, il, ops) for il in own]
+    gather = None if experts is None else expert_parallel.RankGather(group)
+    blocks = [_block(cfg, w, il, ops, gather) for il in own]
     output_hc = output_norm = output = None
     if own.stop == cfg.n_layer:
         output_hc = OutputHC(w.dense("output_hc_fn.weight"), w.f32("output_hc_scale.weight", (1,)),
@@ -194,4 +207,6 @@ def _build(f: GGUFFile, cfg: ModelConfig, mode: Numerics, backend: str | None, s
                  output=output, source=f)
     if group is None:
         return Model(cfg, ops, **parts)
+    if experts is not None:
+        return expert_parallel.ExpertParallelModel(cfg, ops, group=group, experts=experts, **parts)
     return pipeline.PipelineModel(cfg, ops, group=group, layers=own, **parts)

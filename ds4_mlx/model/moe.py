@@ -27,16 +27,23 @@ from ds4_mlx.model.ops import DefaultOps
 ROUTER_SUM_FLOOR = 6.103515625e-5  # 2^-14
 
 
+def _local(down: mx.array) -> mx.array:
+    return down
+
+
 class MoE:
     def __init__(self, *, ffn_norm: mx.array, router: DenseWeight, bias: mx.array | None,
                  tid2eid: np.ndarray | None, gate_exps: ExpertWeights, up_exps: ExpertWeights,
                  down_exps: ExpertWeights, gate_sh: DenseWeight, up_sh: DenseWeight, down_sh: DenseWeight,
-                 n_used: int, weight_scale: float, clamp: float, eps: float, ops: DefaultOps):
+                 n_used: int, weight_scale: float, clamp: float, eps: float, ops: DefaultOps, gather=None):
         self.ffn_norm, self.router, self.bias, self.tid2eid = ffn_norm, router, bias, tid2eid
         self.gate_exps, self.up_exps, self.down_exps = gate_exps, up_exps, down_exps
         self.gate_sh, self.up_sh, self.down_sh = gate_sh, up_sh, down_sh
         self.n_used, self.weight_scale, self.clamp, self.eps = n_used, weight_scale, clamp, eps
         self.ops = ops
+        # Where the routed experts' outputs come together before their sum: here (one process), or
+        # across ranks (``expert_parallel.RankGather``: each rank computed its own experts' pairs).
+        self.gather = _local if gather is None else gather
         # True when expert choice and expert matmuls run on the device (the device strategy: no host
         # break), so the compiled decode step compiles the whole layer (``compiled_decode``)
         self.routes_on_device = bool(getattr(gate_exps, "routes_on_device", False))
@@ -95,8 +102,8 @@ class MoE:
         return ops.linear(self.down_sh, self._swiglu(ops.linear(self.gate_sh, xn), ops.linear(self.up_sh, xn)))
 
     def combine(self, down: mx.array, shared: mx.array) -> mx.array:
-        """Σ_i down[:, i] + shared."""
-        return self.ops.small_sum(down, 1) + shared
+        """Σ_i down[:, i] + shared (``gather``: the pairs computed on other ranks joined first)."""
+        return self.ops.small_sum(self.gather(down), 1) + shared
 
     def __call__(self, x: mx.array, tokens) -> mx.array:
         """x [T, n_embd] (HC-reduced), tokens [T] (this position's input ids; numpy, or an MLX array
