@@ -253,6 +253,7 @@ class PipelineModel(Model):
         if self.rank != 0 or self._stopped:
             return
         self._stopped = True
+        atexit.unregister(self.close)  # the exit hook held the model alive
         try:
             self._pass_on(self._header(_STOP, 0, 0, False, None), np.zeros(1, np.int64),
                           mx.zeros((1,), mx.float32))

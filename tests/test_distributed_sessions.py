@@ -1,0 +1,133 @@
+"""Frontends and sessions across pipeline ranks (``--distributed pipeline``) on two loopback ranks.
+
+The ranks are started by hand with a hostfile (``test_distributed._hostfile``), as the failure tests
+there do, so that rank 0 alone gets the test's stdin and port and the other rank's exit is observed
+on its own. Texts are compared in ``ds4-cpu`` numerics, where a pipeline is bit-identical to one
+process.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.test_distributed import CLI, _env, _hostfile
+
+CHAT_INPUT = "/nothink\nHello\nHow are you?\n/quit\n"
+
+
+def _ranks(cmd: list[str], tmp_path: Path, *, n: int = 2, stdin=None, **extra) -> dict[int, subprocess.Popen]:
+    """``cmd`` started as ranks 0..n-1 of one group; rank 0 gets ``stdin`` (others: nothing)."""
+    hosts = _hostfile(tmp_path, n)
+    procs = {}
+    for rank in range(n - 1, -1, -1):
+        procs[rank] = subprocess.Popen(
+            cmd, env=_env(MLX_HOSTFILE=str(hosts), MLX_RANK=str(rank), XDG_CACHE_HOME=str(tmp_path / "cache"),
+                          **extra),
+            stdin=stdin if rank == 0 and stdin is not None else subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return procs
+
+
+def _finish(procs: dict[int, subprocess.Popen], timeout: float = 300,
+            stdin: str | None = None) -> dict[int, tuple[int, str, str]]:
+    out = {}
+    try:
+        for rank, p in sorted(procs.items()):
+            o, e = p.communicate(stdin if rank == 0 else None, timeout=timeout)
+            out[rank] = (p.returncode, o, e)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return out
+
+
+# -- chat and serve on two ranks ------------------------------------------------------------------
+
+
+def test_chat_through_a_pipe_matches_one_process(tiny_model_path, tmp_path):
+    """Two turns (the second continues the live session) and /quit: rank 0 prints what one
+    process prints, and the other rank stops when rank 0 quits."""
+    cmd = CLI + ["chat", "-m", str(tiny_model_path), "-n", "8", "--temp", "0", "--numerics", "ds4-cpu"]
+    one = subprocess.run(cmd, input=CHAT_INPUT, capture_output=True, text=True, timeout=600,
+                         env=_env(XDG_CACHE_HOME=str(tmp_path / "cache1")))
+    assert one.returncode == 0, one.stderr
+    procs = _ranks(cmd + ["--distributed", "pipeline"], tmp_path, stdin=subprocess.PIPE)
+    res = _finish(procs, stdin=CHAT_INPUT)
+    (rc0, out0, err0), (rc1, out1, err1) = res[0], res[1]
+    assert rc0 == 0 and rc1 == 0, err0 + err1
+    assert "Traceback" not in err0 + err1
+    assert out1 == ""  # only rank 0 talks
+    assert out0 == one.stdout and out0.count("\n") >= 2
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read())
+
+
+def _serve_answers(cmd: list[str], tmp_path: Path, bodies: list[dict], n: int) -> tuple[list[dict], dict]:
+    """Start ``serve`` (as ``n`` ranks when ``n`` > 1), post ``bodies`` to rank 0, SIGTERM rank 0;
+    returns the answers and each rank's (status, stdout, stderr)."""
+    port = _free_port()
+    full = cmd + ["--port", str(port), "--log-level", "warning"]
+    if n > 1:
+        procs = _ranks(full + ["--distributed", "pipeline"], tmp_path, n=n)
+    else:
+        procs = {0: subprocess.Popen(full, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)}
+    url = f"http://127.0.0.1:{port}"
+    answers = []
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if json.loads(r.read()).get("status") == "ok":
+                        break
+            except OSError:
+                pass
+            assert all(p.poll() is None for p in procs.values()), _finish(procs)
+            assert time.monotonic() < deadline, "server did not become healthy"
+            time.sleep(0.5)
+        for body in bodies:
+            answers.append(_post(url + "/v1/chat/completions", body))
+    finally:
+        procs[0].send_signal(signal.SIGTERM)  # rank 0 only: the others must follow it out
+        res = _finish(procs, timeout=120)
+    return answers, res
+
+
+def _chat_body(text: str) -> dict:
+    return dict(model="deepseek-v4-flash", messages=[{"role": "user", "content": text}], max_tokens=6,
+                temperature=0, thinking={"type": "disabled"})
+
+
+def test_serve_answers_like_one_process_and_stops_with_rank_0(tiny_model_path, tmp_path):
+    cmd = CLI + ["serve", "-m", str(tiny_model_path), "--ctx", "4096", "--numerics", "ds4-cpu"]
+    bodies = [_chat_body("Hello, the capital of France is")]
+    one, _ = _serve_answers(cmd, tmp_path, bodies, 1)
+    two, res = _serve_answers(cmd, tmp_path, bodies, 2)
+    for rank, (rc, _, err) in res.items():
+        assert rc in (0, -signal.SIGTERM), (rank, err[-3000:])
+        assert "Traceback" not in err, (rank, err[-3000:])
+    assert [a["choices"][0]["message"]["content"] for a in two] == \
+        [a["choices"][0]["message"]["content"] for a in one]
+    assert [a["usage"] for a in two] == [a["usage"] for a in one]
