@@ -141,7 +141,7 @@ def check_ctx(text: str, name: str) -> int:
     return check_number(text, name, int, **_CTX_RANGE)
 
 
-# The model layer's choices (``model.device_experts.STRATEGIES``, ``model.pipeline.MODES``), restated
+# The model layer's choices (``model.device_experts.STRATEGIES``, ``model.distributed.MODES``), restated
 # because importing those modules loads mlx, and ``ds4-mlx --help`` builds every command's parser;
 # test_cli_args checks that the two agree.
 EXPERT_STRATEGIES = ("auto", "device", "host")

@@ -1,4 +1,4 @@
-"""The watchdog of ``pipeline.join``, run as its own small process: ``mx.distributed.init`` blocks
+"""The watchdog of ``distributed.join``, run as its own small process: ``mx.distributed.init`` blocks
 inside C with the GIL held, so no thread of ours could run to end a wait for a rank that never comes.
 
     python -I join_watchdog.py PID LIMIT MESSAGE

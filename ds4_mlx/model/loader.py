@@ -24,7 +24,7 @@ from ds4_mlx.model.hyper_connection import HyperConnection, OutputHC
 from ds4_mlx.model.indexer import Indexer
 from ds4_mlx.model.linear import DenseWeight
 from ds4_mlx.model.moe import MoE
-from ds4_mlx.model import pipeline
+from ds4_mlx.model import distributed as dist, pipeline
 from ds4_mlx.model.ops import DefaultOps, Numerics, ops_for
 from ds4_mlx.model.rope import Rope
 from ds4_mlx.model.transformer import Block, Model
@@ -153,12 +153,12 @@ def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend:
     """
     mode = parse_numerics(numerics)
     strategy = resolve_strategy(experts)  # bad values fail before the file is opened
-    if distributed is not None and distributed not in pipeline.MODES:
-        raise LayoutError(f"unknown distributed mode {distributed!r}; expected one of {list(pipeline.MODES)}")
+    if distributed is not None and distributed not in dist.MODES:
+        raise LayoutError(f"unknown distributed mode {distributed!r}; expected one of {list(dist.MODES)}")
     f, cfg = _open(path)
     try:
         if distributed is not None:
-            group = pipeline.join(join_timeout)
+            group = dist.join(join_timeout, distributed)
             ranges = pipeline.gguf_split(f, cfg.n_layer, group.size())
             model = _build(f, cfg, mode, backend, strategy, group=group, layers=ranges[group.rank()])
         else:

@@ -3,50 +3,32 @@
     rank 0          embed, layers [0, a)      --H-->  rank 1   layers [a, b)  --H--> ... last rank
     rank 0  <--logits--  last rank: layers [.., n_layer), output HC, norm, head
 
-Layers are split by their weight bytes (``split_layers``, the head counted on the last rank), so each rank maps and touches only its share of the GGUF: the loader
+Layers are split by their weight bytes (``split_layers``, the head counted on the last rank), so
+each rank maps and touches only its share of the GGUF: the loader
 builds only the rank's own blocks (``loader.load(..., distributed="pipeline")``); the embedding is
 gathered only on rank 0 and the head exists only on the last rank.
 
-Rank 0 drives: it owns the tokenizer, the sessions, sampling and output, and calls
-``forward_chunk`` / ``step`` like any ``Model``. Each call sends a header (what to do, the
-position, the token ids, the dtype of H) and H down the ranks; the other ranks run ``follow()``,
-a loop that receives, runs its layers on its own ``ModelCache`` and passes H on, until rank 0
-sends STOP (at its exit). The last rank sends the logits back to rank 0 when they are wanted. So
-every rank computes exactly what one process computes for its layers (same module code, same
-compiled decode functions), and the logits are bit-identical to a one-process run.
+Rank 0 drives (``model.distributed``: joining, the transport, the command protocol): each
+``forward_chunk`` / ``step`` runs rank 0's layers, then sends the command (CHUNK or STEP: the
+position and the token ids) and H to rank 1; each other rank's ``follow()`` receives the command,
+relays it, receives H, runs its layers on its own ``ModelCache`` and passes H on. The last rank
+sends the logits back to rank 0 when they are wanted. So every rank computes exactly what one
+process computes for its layers (same module code, same compiled decode functions), and the logits
+are bit-identical to a one-process run.
 
-The other ranks mirror rank 0's *live* cache only: rank 0 continues the cache it last fed (or an
-empty one, which resets them). Restoring an older state (a session snapshot, a payload, the disk
-KV cache) would need every rank to restore its own layers' part; that is not built yet, and such a
-feed is refused with a ``DistributedError`` instead of computing on a mismatched state.
-
-Failure: joining waits at most ``join_timeout`` seconds for the other ranks (a watchdog process,
-because ``mx.distributed.init`` blocks in C); a rank that dies later closes its sockets, the ring
-backend raises on its neighbours, and that becomes a one-line ``DistributedError``.
+The other ranks mirror rank 0's *live* cache only (``DistributedModel._claim``); a rank that dies
+ends the others with one line (``distributed.Transport``).
 """
 
 from __future__ import annotations
 
-import atexit
-import math
-import os
-import subprocess
-import sys
-
 import mlx.core as mx
 import numpy as np
 
-from ds4_mlx.errors import DistributedError, InferenceError
-from ds4_mlx.model import join_watchdog
+from ds4_mlx.errors import DistributedError
 from ds4_mlx.model.cache import ModelCache
-from ds4_mlx.model.transformer import Model, all_finite, raise_nonfinite
-
-MODES = ("pipeline",)
-DEFAULT_JOIN_TIMEOUT_S = 120.0
-
-_STOP, _CHUNK, _STEP = 0, 1, 2
-_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
-_HEADER = 5  # op, p0 (0: start from an empty cache), n tokens, want logits, dtype code
+# ``join`` and ``MODES`` are re-exported: they were first defined here, and callers still import them here.
+from ds4_mlx.model.distributed import CHUNK, MODES, STEP, Command, DistributedModel, join  # noqa: F401
 
 
 # -- the split -----------------------------------------------------------------------------------
@@ -108,121 +90,27 @@ def gguf_split(f, n_layer: int, n_ranks: int) -> list[range]:
     return split_layers(per_layer, n_ranks, 0, head)
 
 
-# -- joining -------------------------------------------------------------------------------------
-
-
-def _join_timeout(timeout: float | None) -> float:
-    if timeout is not None:
-        return float(timeout)
-    env = os.environ.get("DS4_MLX_DIST_TIMEOUT", "")
-    try:
-        return float(env) if env else DEFAULT_JOIN_TIMEOUT_S
-    except ValueError:
-        raise DistributedError(f"DS4_MLX_DIST_TIMEOUT={env!r} is not a number of seconds") from None
-
-
-def join(timeout: float | None = None):
-    """The distributed group of this process (``mx.distributed.init``), waiting at most
-    ``timeout`` seconds (default ``DS4_MLX_DIST_TIMEOUT`` or 120) for the other ranks; past it the
-    process ends with a one-line message. Raises ``DistributedError`` when no launcher started it."""
-    limit = _join_timeout(timeout)
-    if not (limit > 0 and math.isfinite(limit)):
-        raise DistributedError(f"the join timeout must be a finite number of seconds > 0, got {limit:g}")
-    msg = (f"ds4-mlx: error: rank {os.environ.get('MLX_RANK', '?')}: the other ranks did not join within "
-           f"{limit:g} s (is every host of the hostfile running the same command?)")
-    dog = subprocess.Popen([sys.executable, "-I", join_watchdog.__file__, str(os.getpid()), str(limit), msg],
-                           stdin=subprocess.PIPE)
-    try:
-        group = mx.distributed.init(strict=False, backend="any")
-    except RuntimeError as exc:
-        raise DistributedError(f"cannot join the distributed group: {exc}") from None
-    finally:
-        dog.stdin.close()  # EOF: the watchdog exits without firing
-        dog.wait()
-    if group.size() < 2:
-        raise DistributedError("--distributed pipeline needs two or more ranks: start every rank with "
-                               "mlx.launch (e.g. mlx.launch -n 2 --backend ring -- ds4-mlx generate ...)")
-    return group
-
-
 # -- the model of one rank ---------------------------------------------------------------------
 
 
-class PipelineModel(Model):
+class PipelineModel(DistributedModel):
     """One rank's share of the model: ``blocks`` are its layers (``layers``, a range), the head
     exists on the last rank only. Rank 0 uses it as a ``Model``; the others call ``follow()``."""
 
+    mode = "pipeline"
+
     def __init__(self, *args, group, layers: range, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.group, self.layers = group, layers
-        self.rank, self.size = group.rank(), group.size()
-        self._mirrored: ModelCache | None = None  # rank 0: the cache the other ranks hold a copy of
-        self._stopped = False
-        if self.rank == 0:
-            atexit.register(self.close)
-
-    @property
-    def is_first(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.rank == self.size - 1
-
-    # -- transport ------------------------------------------------------------------------------
-
-    def _lost(self, exc: Exception) -> DistributedError:
-        # No STOP at exit after this: the ring backend has failed its connections, and a send over
-        # one of them can block for ever, leaving the process hanging after its error line.
-        self._stopped = True
-        return DistributedError(f"rank {self.rank}: lost the connection to the other ranks "
-                                f"(one exited or was killed): {exc}")
-
-    def _send(self, arrays: list[mx.array], dst: int) -> None:
-        try:
-            for a in arrays:  # one at a time: the messages must leave in this order
-                mx.eval(mx.distributed.send(a, dst, group=self.group, stream=mx.cpu))
-        except RuntimeError as exc:
-            raise self._lost(exc) from None
-
-    def _recv(self, shape, dtype, src: int) -> mx.array:
-        try:
-            a = mx.distributed.recv(shape, dtype, src, group=self.group, stream=mx.cpu)
-            mx.eval(a)  # now: an unread message would shift every later one
-            return a
-        except RuntimeError as exc:
-            raise self._lost(exc) from None
-
-    def _pass_on(self, header: np.ndarray, tokens: np.ndarray, H: mx.array) -> None:
-        self._send([mx.array(header), mx.array(tokens), H], self.rank + 1)
-
-    def _recv_logits(self) -> mx.array:
-        code = int(np.array(self._recv((1,), mx.int64, self.size - 1))[0])
-        return self._recv((self.config.n_vocab,), _DTYPES[code], self.size - 1)
-
-    def _send_logits(self, logits: mx.array) -> None:
-        code = mx.array(np.array([_DTYPES.index(logits.dtype)], dtype=np.int64))
-        self._send([code, logits], 0)
+        super().__init__(*args, group=group, **kwargs)
+        self.layers = layers
 
     # -- rank 0 -------------------------------------------------------------------------------
 
-    def _claim(self, cache: ModelCache) -> None:
-        """Refuse a cache the other ranks do not hold (an empty one starts them over: p0 = 0)."""
-        if self._stopped:
-            raise DistributedError("the pipeline is closed: the other ranks have stopped")
-        if cache.n_tokens != 0 and cache is not self._mirrored:
-            raise DistributedError("a distributed (pipeline) session can only continue its live state: "
-                                   "restoring a snapshot, a payload or a disk KV cache entry is not "
-                                   "supported across ranks yet")
-
-    def _header(self, op: int, p0: int, n: int, want: bool, H: mx.array | None) -> np.ndarray:
-        code = 0 if H is None else _DTYPES.index(H.dtype)
-        return np.array([op, p0, n, int(want), code], dtype=np.int64)
+    def _recv_logits(self) -> mx.array:
+        return self.transport.recv_array((self.config.n_vocab,), self.size - 1)
 
     def forward_chunk(self, tokens: np.ndarray, cache: ModelCache,
                       want_logits: bool = True) -> tuple[mx.array | None, ModelCache]:
-        if self.rank != 0:
-            raise InferenceError("only rank 0 drives a pipeline; the other ranks run follow()")
+        self._driver_only()
         self._claim(cache)
         return super().forward_chunk(tokens, cache, want_logits)
 
@@ -230,13 +118,13 @@ class PipelineModel(Model):
                       want_logits: bool) -> mx.array | None:
         # ``Model.forward_chunk`` ran rank 0's blocks on a copy of the caller's cache (on an error
         # before this point the caller keeps its cache, the other ranks theirs); the rest runs there.
-        self._pass_on(self._header(_CHUNK, p0, len(tokens), want_logits, H), tokens, H)
-        self._mirrored = cache
+        self.command(Command(CHUNK, p0, np.asarray(tokens, dtype=np.int64), want_logits))
+        self.transport.send_array(H, 1)
+        self.mirrored(cache)
         return self._recv_logits() if want_logits else None
 
     def step(self, token: int, cache: ModelCache) -> mx.array:
-        if self.rank != 0:
-            raise InferenceError("only rank 0 drives a pipeline; the other ranks run follow()")
+        self._driver_only()
         self._claim(cache)
         if self.source is not None:
             self.source.check_intact()
@@ -244,62 +132,38 @@ class PipelineModel(Model):
         H = self.decoder().run(self.embed(np.array([token], dtype=np.int64)), int(token), cache,
                                head=False, evaluate=False)
         mx.eval(H, *cache.arrays())
-        self._pass_on(self._header(_STEP, p, 1, True, H), np.array([token], dtype=np.int64), H)
-        self._mirrored = cache
+        self.command(Command(STEP, p, np.array([token], dtype=np.int64), True))
+        self.transport.send_array(H, 1)
+        self.mirrored(cache)
         return self._recv_logits()
 
-    def close(self) -> None:
-        """Rank 0: tell the other ranks to stop (also run at exit). Safe to call twice."""
-        if self.rank != 0 or self._stopped:
-            return
-        self._stopped = True
-        atexit.unregister(self.close)  # the exit hook held the model alive
-        try:
-            self._pass_on(self._header(_STOP, 0, 0, False, None), np.zeros(1, np.int64),
-                          mx.zeros((1,), mx.float32))
-        except DistributedError:
-            pass  # the others are gone already: nothing to stop
-
     # -- the other ranks ----------------------------------------------------------------------
+    # The command came from rank - 1 (and was relayed on); H follows it on the same link, and this
+    # rank's output goes to rank + 1 (after the command it relayed) or, from the last rank, the
+    # logits to rank 0.
 
-    def follow(self) -> None:
-        """Ranks > 0: serve this rank's layers for rank 0 until it sends STOP (or is lost:
-        ``DistributedError``)."""
-        if self.rank == 0:
-            raise InferenceError("rank 0 drives the pipeline; follow() is for the other ranks")
+    def _recv_h(self, n: int) -> mx.array:
         cfg = self.config
-        cache = ModelCache.empty(cfg)
-        src = self.rank - 1
-        while True:
-            header = np.array(self._recv((_HEADER,), mx.int64, src))
-            op, p0, n, want, code = (int(v) for v in header)
-            tokens = np.array(self._recv((max(n, 1),), mx.int64, src))
-            if op == _STOP:
-                self._recv((1,), mx.float32, src)
-                if not self.is_last:
-                    self._pass_on(header, tokens, mx.zeros((1,), mx.float32))
-                return
-            H = self._recv((n, cfg.n_hc, cfg.n_embd), _DTYPES[code], src)
-            if p0 == 0:  # rank 0 feeds an empty cache (``_claim``): start over
-                cache = ModelCache.empty(cfg)
-            if cache.n_tokens != p0:
-                raise DistributedError(f"rank {self.rank}: out of step with rank 0 (it feeds position {p0}, "
-                                       f"this rank holds {cache.n_tokens} tokens)")
-            if self.source is not None:
-                self.source.check_intact()
-            if op == _CHUNK:
-                with self.ops.stream():
-                    H = self.run_blocks(H, tokens, cache)
-                    out = self.head(H[-1:])[0] if self.is_last and want else None
-            elif op == _STEP:
-                y = self.decoder().run(H, int(tokens[0]), cache, head=self.is_last, evaluate=False)
-                out, H = (y, None) if self.is_last else (None, y)
-                mx.eval(*([] if H is None else [H]), *cache.arrays())
-            else:
-                raise DistributedError(f"rank {self.rank}: unknown pipeline message {op} from rank {src}")
-            if self.is_last:
-                if out is not None:
-                    self._send_logits(out)
-            else:
-                header[4] = _DTYPES.index(H.dtype)
-                self._pass_on(header, tokens, H)
+        return self.transport.recv_array((n, cfg.n_hc, cfg.n_embd), self.rank - 1)
+
+    def _deliver(self, H: mx.array | None, logits: mx.array | None) -> None:
+        if not self.is_last:
+            self.transport.send_array(H, self.rank + 1)
+        elif logits is not None:
+            self.transport.send_array(logits, 0)
+
+    def follow_chunk(self, cmd: Command) -> None:
+        H = self._recv_h(len(cmd.tokens))
+        cache = self.live_cache(cmd)
+        with self.ops.stream():
+            H = self.run_blocks(H, cmd.tokens, cache)
+            out = self.head(H[-1:])[0] if self.is_last and cmd.want else None
+        self._deliver(H, out)
+
+    def follow_step(self, cmd: Command) -> None:
+        H = self._recv_h(1)
+        cache = self.live_cache(cmd)
+        y = self.decoder().run(H, int(cmd.tokens[0]), cache, head=self.is_last, evaluate=False)
+        out, H = (y, None) if self.is_last else (None, y)
+        mx.eval(*([] if H is None else [H]), *cache.arrays())
+        self._deliver(H, out)

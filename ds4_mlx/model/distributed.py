@@ -1,0 +1,272 @@
+"""What every multi-rank mode shares (``--distributed pipeline`` / ``experts``): joining the ranks
+``mlx.launch`` started, the transport, and the rank-0 / follower command protocol.
+
+Rank 0 drives: it owns the tokenizer, the sessions, sampling and output, and calls
+``forward_chunk`` / ``step`` like any ``Model``. Each call first sends a *command* down the chain
+of ranks (0 -> 1 -> ... -> last; every rank relays it to the next one before acting on it, so a
+command needs links between neighbours only, which is all the ring backend offers):
+
+    header  int64 [5]   op, p0 (the position it applies at), n tokens, want logits, arg
+    tokens  int64 [max(n, 1)]
+
+then whatever the mode adds on the same links (a pipeline's hidden state, ``model.pipeline``; an
+expert-parallel layer's ``all_sum``, ``model.expert_parallel``). The other ranks run ``follow()``:
+receive a command, relay it, dispatch it to the handler the mode registered for its op
+(``DistributedModel.handlers``), until STOP (sent by rank 0's ``close()``, also at its exit).
+
+A mode subclasses ``DistributedModel`` and supplies only what differs: what rank 0 does around the
+command for a chunk and a step, and the follower's ``follow_chunk`` / ``follow_step``. A new
+command (say, keep the live cache under an id) is one op number in ``OPS``-style constants plus one
+entry in ``handlers()``; its argument rides in the header's ``arg`` field, bulk data follows with
+``Transport.send_array``.
+
+The other ranks mirror rank 0's *live* cache only: rank 0 continues the cache it last fed (or an
+empty one, which resets them); any other state is refused with a ``DistributedError`` (``_claim``)
+instead of computing on a mismatched one.
+
+Failure: joining waits at most ``join_timeout`` seconds for the other ranks (a watchdog process,
+because ``mx.distributed.init`` blocks in C); a rank that dies later closes its sockets, the ring
+backend raises on its neighbours, and that becomes a one-line ``DistributedError``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Callable
+
+import mlx.core as mx
+import numpy as np
+
+from ds4_mlx.errors import DistributedError, InferenceError
+from ds4_mlx.model import join_watchdog
+from ds4_mlx.model.cache import ModelCache
+from ds4_mlx.model.transformer import Model
+
+MODES = ("pipeline",)
+DEFAULT_JOIN_TIMEOUT_S = 120.0
+
+# The command ops. 0..15 are this module's and the modes'; further commands take the next free number.
+STOP, CHUNK, STEP = 0, 1, 2
+HEADER_LEN = 5  # op, p0, n, want, arg
+DTYPES = (mx.float32, mx.float16, mx.bfloat16)  # the codes of ``send_array``
+
+
+# -- joining -------------------------------------------------------------------------------------
+
+
+def join_timeout(timeout: float | None) -> float:
+    """``timeout``, else ``DS4_MLX_DIST_TIMEOUT``, else 120 s (a non-number is a one-line error)."""
+    if timeout is not None:
+        return float(timeout)
+    env = os.environ.get("DS4_MLX_DIST_TIMEOUT", "")
+    try:
+        return float(env) if env else DEFAULT_JOIN_TIMEOUT_S
+    except ValueError:
+        raise DistributedError(f"DS4_MLX_DIST_TIMEOUT={env!r} is not a number of seconds") from None
+
+
+def join(timeout: float | None = None, mode: str = "pipeline"):
+    """The distributed group of this process (``mx.distributed.init``), waiting at most
+    ``timeout`` seconds (default ``DS4_MLX_DIST_TIMEOUT`` or 120) for the other ranks; past it the
+    process ends with a one-line message. Raises ``DistributedError`` when no launcher started it
+    (the message names ``mode``)."""
+    limit = join_timeout(timeout)
+    if not (limit > 0 and math.isfinite(limit)):
+        raise DistributedError(f"the join timeout must be a finite number of seconds > 0, got {limit:g}")
+    msg = (f"ds4-mlx: error: rank {os.environ.get('MLX_RANK', '?')}: the other ranks did not join within "
+           f"{limit:g} s (is every host of the hostfile running the same command?)")
+    dog = subprocess.Popen([sys.executable, "-I", join_watchdog.__file__, str(os.getpid()), str(limit), msg],
+                           stdin=subprocess.PIPE)
+    try:
+        group = mx.distributed.init(strict=False, backend="any")
+    except RuntimeError as exc:
+        raise DistributedError(f"cannot join the distributed group: {exc}") from None
+    finally:
+        dog.stdin.close()  # EOF: the watchdog exits without firing
+        dog.wait()
+    if group.size() < 2:
+        raise DistributedError(f"--distributed {mode} needs two or more ranks: start every rank with "
+                               "mlx.launch (e.g. mlx.launch -n 2 --backend ring -- ds4-mlx generate ...)")
+    return group
+
+
+# -- the transport --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Command:
+    """What rank 0 asks of every rank: ``op`` at position ``p0`` (0: from an empty cache) over
+    ``tokens``; ``want``: rank 0 wants logits; ``arg``: the op's own integer (e.g. a cache id)."""
+
+    op: int
+    p0: int = 0
+    tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    want: bool = False
+    arg: int = 0
+
+    def header(self) -> np.ndarray:
+        return np.array([self.op, self.p0, len(self.tokens), int(self.want), self.arg], dtype=np.int64)
+
+
+class Transport:
+    """Point-to-point messages of one rank over ``group``; every failure of a link becomes a one-line
+    ``DistributedError`` and marks the transport ``broken`` (nothing more is sent on it)."""
+
+    def __init__(self, group):
+        self.group = group
+        self.rank, self.size = group.rank(), group.size()
+        self.broken = False
+
+    def lost(self, exc: Exception) -> DistributedError:
+        # No STOP at exit after this: the ring backend has failed its connections, and a send over
+        # one of them can block for ever, leaving the process hanging after its error line.
+        self.broken = True
+        return DistributedError(f"rank {self.rank}: lost the connection to the other ranks "
+                                f"(one exited or was killed): {exc}")
+
+    def send(self, arrays: list[mx.array], dst: int) -> None:
+        try:
+            for a in arrays:  # one at a time: the messages must leave in this order
+                mx.eval(mx.distributed.send(a, dst, group=self.group, stream=mx.cpu))
+        except RuntimeError as exc:
+            raise self.lost(exc) from None
+
+    def recv(self, shape, dtype, src: int) -> mx.array:
+        try:
+            a = mx.distributed.recv(shape, dtype, src, group=self.group, stream=mx.cpu)
+            mx.eval(a)  # now: an unread message would shift every later one
+            return a
+        except RuntimeError as exc:
+            raise self.lost(exc) from None
+
+    def send_array(self, a: mx.array, dst: int) -> None:
+        """``a`` preceded by its dtype code, for a receiver that knows the shape but not the dtype."""
+        self.send([mx.array(np.array([DTYPES.index(a.dtype)], dtype=np.int64)), a], dst)
+
+    def recv_array(self, shape, src: int) -> mx.array:
+        code = int(np.array(self.recv((1,), mx.int64, src))[0])
+        if not 0 <= code < len(DTYPES):
+            raise DistributedError(f"rank {self.rank}: rank {src} sent an unknown dtype code {code}")
+        return self.recv(shape, DTYPES[code], src)
+
+    def send_command(self, cmd: Command, dst: int) -> None:
+        tokens = cmd.tokens if len(cmd.tokens) else np.zeros(1, np.int64)
+        self.send([mx.array(cmd.header()), mx.array(np.asarray(tokens, dtype=np.int64))], dst)
+
+    def recv_command(self, src: int) -> Command:
+        op, p0, n, want, arg = (int(v) for v in np.array(self.recv((HEADER_LEN,), mx.int64, src)))
+        if n < 0:
+            raise DistributedError(f"rank {self.rank}: rank {src} sent a command over {n} tokens")
+        tokens = np.array(self.recv((max(n, 1),), mx.int64, src))[:n]
+        return Command(op, p0, tokens, bool(want), arg)
+
+
+# -- the model of one rank ----------------------------------------------------------------------
+
+
+class DistributedModel(Model):
+    """One rank's model in a multi-rank run: rank 0 uses it as a ``Model`` (its ``forward_chunk`` /
+    ``step`` also drive the other ranks), the others call ``follow()``. Subclasses are the modes."""
+
+    mode = "?"
+
+    def __init__(self, *args, group, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.group = group
+        self.transport = Transport(group)
+        self.rank, self.size = group.rank(), group.size()
+        self._mirrored: ModelCache | None = None  # rank 0: the cache the other ranks hold a copy of
+        self._closed = False
+        self.cache: ModelCache | None = None  # a follower's live cache
+        if self.rank == 0:
+            atexit.register(self.close)
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.size - 1
+
+    # -- rank 0 -------------------------------------------------------------------------------
+
+    def _driver_only(self) -> None:
+        if self.rank != 0:
+            raise InferenceError(f"only rank 0 drives a distributed ({self.mode}) model; "
+                                 "the other ranks run follow()")
+
+    def _claim(self, cache: ModelCache) -> None:
+        """Refuse a cache the other ranks do not hold (an empty one starts them over: p0 = 0)."""
+        if self._closed or self.transport.broken:
+            raise DistributedError(f"the {self.mode} group is closed: the other ranks have stopped")
+        if cache.n_tokens != 0 and cache is not self._mirrored:
+            raise DistributedError(f"a distributed ({self.mode}) session can only continue its live state: "
+                                   "restoring a snapshot, a payload or a disk KV cache entry is not "
+                                   "supported across ranks yet")
+
+    def command(self, cmd: Command) -> None:
+        """Rank 0: send ``cmd`` down the chain (rank 1 relays it on)."""
+        self.transport.send_command(cmd, 1)
+
+    def mirrored(self, cache: ModelCache) -> None:
+        """Rank 0: the other ranks now hold (their part of) ``cache``."""
+        self._mirrored = cache
+
+    def close(self) -> None:
+        """Rank 0: tell the other ranks to stop (also run at exit). Safe to call twice."""
+        if self.rank != 0 or self._closed or self.transport.broken:
+            return
+        self._closed = True
+        atexit.unregister(self.close)  # the exit hook held the model alive (serve closes on its worker)
+        try:
+            self.command(Command(STOP))
+        except DistributedError:
+            pass  # the others are gone already: nothing to stop
+
+    # -- the other ranks ----------------------------------------------------------------------
+
+    def handlers(self) -> dict[int, Callable[[Command], None]]:
+        """op -> what a follower does for it (after relaying it). Modes extend this dict."""
+        return {CHUNK: self.follow_chunk, STEP: self.follow_step}
+
+    def follow(self) -> None:
+        """Ranks > 0: receive rank 0's commands, relay each to the next rank, run it, until STOP
+        (or a lost rank: ``DistributedError``)."""
+        if self.rank == 0:
+            raise InferenceError(f"rank 0 drives the {self.mode} group; follow() is for the other ranks")
+        self.cache = ModelCache.empty(self.config)
+        table = self.handlers()
+        while True:
+            cmd = self.transport.recv_command(self.rank - 1)
+            if not self.is_last:
+                self.transport.send_command(cmd, self.rank + 1)
+            if cmd.op == STOP:
+                return
+            handler = table.get(cmd.op)
+            if handler is None:
+                raise DistributedError(f"rank {self.rank}: unknown {self.mode} command {cmd.op} from rank 0")
+            handler(cmd)
+
+    def live_cache(self, cmd: Command) -> ModelCache:
+        """A follower's cache for a command at ``cmd.p0`` (p0 = 0: rank 0 fed an empty cache, start
+        over); a cache at another position is out of step with rank 0, a ``DistributedError``."""
+        if cmd.p0 == 0:
+            self.cache = ModelCache.empty(self.config)
+        if self.cache.n_tokens != cmd.p0:
+            raise DistributedError(f"rank {self.rank}: out of step with rank 0 (it feeds position {cmd.p0}, "
+                                   f"this rank holds {self.cache.n_tokens} tokens)")
+        if self.source is not None:
+            self.source.check_intact()
+        return self.cache
+
+    def follow_chunk(self, cmd: Command) -> None:
+        raise NotImplementedError
+
+    def follow_step(self, cmd: Command) -> None:
+        raise NotImplementedError
