@@ -161,7 +161,7 @@ import sys
 import numpy as np
 from ds4_mlx.errors import DistributedError
 from ds4_mlx.model.loader import load
-from ds4_mlx.engine.session import Session
+from ds4_mlx.engine.session import Session, Snapshot
 
 m = load(sys.argv[1], numerics="ds4-cpu", distributed="pipeline")
 print(f"rank {m.rank}: layers {[b.il for b in m.blocks]} head {m.output is not None}", flush=True)
@@ -173,7 +173,9 @@ s = Session(m, ctx=64)
 s.sync([0, 5, 9, 11])
 snap = s.snapshot()
 s.eval(int(np.argmax(s.logits())))
-s.restore(snap)
+foreign = snap.state.copy()
+foreign.tag = None  # a state built on rank 0 alone: the other ranks never held it
+s.restore(Snapshot(snap.tokens, foreign, snap.logits))
 try:
     s.eval(3)
 except DistributedError as exc:
@@ -193,7 +195,8 @@ def test_each_rank_builds_only_its_layers_and_refuses_foreign_states(tiny_model_
     own0 = json.loads(r0.split("layers ")[1].split(" head")[0])
     own1 = json.loads(r1.split("layers ")[1].split(" head")[0])
     assert own0 + own1 == list(range(6))
-    assert lines[1].startswith("rank 0: refused: a distributed (pipeline) session can only continue its live state")
+    assert lines[1].startswith("rank 0: refused: a distributed (pipeline) run can only continue a state every "
+                               "rank holds")
     assert lines[3] == "rank 1: stopped"  # rank 0's exit stopped it
 
 

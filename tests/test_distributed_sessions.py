@@ -131,3 +131,59 @@ def test_serve_answers_like_one_process_and_stops_with_rank_0(tiny_model_path, t
     assert [a["choices"][0]["message"]["content"] for a in two] == \
         [a["choices"][0]["message"]["content"] for a in one]
     assert [a["usage"] for a in two] == [a["usage"] for a in one]
+
+
+# -- snapshots across ranks ------------------------------------------------------------------------
+
+_SNAPSHOT_SCRIPT = """
+import hashlib, json, sys
+import numpy as np
+from ds4_mlx.model.loader import load
+from ds4_mlx.engine.session import Session
+
+m = load(sys.argv[1], numerics="ds4-cpu", distributed=sys.argv[2] or None)
+if getattr(m, "rank", 0):
+    m.follow()
+    print(json.dumps({"rank": m.rank, "kept": sorted(m.kept)}), flush=True)
+    sys.exit(0)
+out = []
+def rec(s):
+    out.append(hashlib.sha256(s.logits().tobytes()).hexdigest())
+s = Session(m, ctx=64, chunk=4)
+s.sync([0, 5, 9, 11, 13, 2, 7]); rec(s)
+snap = s.snapshot()
+for _ in range(3):
+    s.eval(s.argmax()); rec(s)
+s.restore(snap); rec(s)                         # the snapshot, behind the live end
+s.eval(3); rec(s)
+s.sync([0, 5, 9, 11, 13, 8]); rec(s)            # diverges: the automatic checkpoint at 4 is restored
+t = Session(m, ctx=64, chunk=4)                 # a second session, fed in turns with the first
+t.sync([1, 2, 3]); rec(t)
+s.eval(4); rec(s)
+t.eval(5); rec(t)
+s.restore(snap); s.eval(6); rec(s)
+del snap, t
+s.drop_checkpoints()
+s.eval(6); rec(s)
+s.eval(7); rec(s)                                # carries the drops of everything let go above
+print(json.dumps({"rank": 0, "out": out, "kept": sorted(getattr(m, "_kept", []))}), flush=True)
+"""
+
+
+def test_snapshots_restore_on_every_rank_like_one_process(tiny_model_path, tmp_path):
+    """Snapshot, generate on, restore, a divergence that restores an automatic checkpoint, and two
+    sessions fed in turns: every logit is bit-identical to one process, and once rank 0 has let
+    go of its snapshots the other rank keeps exactly the states rank 0 still holds (none here)."""
+    from tests.test_distributed import LAUNCH, _run
+
+    script = tmp_path / "snap.py"
+    script.write_text(_SNAPSHOT_SCRIPT)
+    one = _run([sys.executable, str(script), str(tiny_model_path), ""])
+    assert one.returncode == 0, one.stderr
+    ref = json.loads(one.stdout.strip().splitlines()[-1])
+    r = _run(LAUNCH + ["-n", "2", "--backend", "ring", "--", sys.executable, str(script), str(tiny_model_path),
+                       "pipeline"])
+    got = {d["rank"]: d for d in (json.loads(line) for line in r.stdout.splitlines() if line.startswith("{"))}
+    assert set(got) == {0, 1}, r.stdout + r.stderr
+    assert len(ref["out"]) == 13 and got[0]["out"] == ref["out"]
+    assert got[0]["kept"] == got[1]["kept"] == []

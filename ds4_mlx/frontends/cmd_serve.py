@@ -90,7 +90,7 @@ def _follow_unless_rank_0(args: argparse.Namespace) -> None:
     this is; the loader's own join on rank 0's worker gets the same group back."""
     from ds4_mlx.engine.engine import Engine
     from ds4_mlx.frontends.args import model_options
-    from ds4_mlx.model.pipeline import join
+    from ds4_mlx.model.distributed import join
 
     if join().rank() != 0:
         Engine.open(args.model, **model_options(args))  # returns only on rank 0

@@ -102,6 +102,7 @@ class PipelineModel(DistributedModel):
     def __init__(self, *args, group, layers: range, **kwargs):
         super().__init__(*args, group=group, **kwargs)
         self.layers = layers
+        self._origin: ModelCache | None = None  # rank 0: the caller's cache of the chunk in flight
 
     # -- rank 0 -------------------------------------------------------------------------------
 
@@ -112,12 +113,17 @@ class PipelineModel(DistributedModel):
                       want_logits: bool = True) -> tuple[mx.array | None, ModelCache]:
         self._driver_only()
         self._claim(cache)
-        return super().forward_chunk(tokens, cache, want_logits)
+        self._origin = cache
+        try:
+            return super().forward_chunk(tokens, cache, want_logits)
+        finally:
+            self._origin = None
 
     def _chunk_logits(self, H: mx.array, tokens: np.ndarray, p0: int, cache: ModelCache,
                       want_logits: bool) -> mx.array | None:
         # ``Model.forward_chunk`` ran rank 0's blocks on a copy of the caller's cache (on an error
         # before this point the caller keeps its cache, the other ranks theirs); the rest runs there.
+        self.feeding(cache, self._origin)
         self.command(Command(CHUNK, p0, np.asarray(tokens, dtype=np.int64), want_logits))
         self.transport.send_array(H, 1)
         self.mirrored(cache)
@@ -132,6 +138,7 @@ class PipelineModel(DistributedModel):
         H = self.decoder().run(self.embed(np.array([token], dtype=np.int64)), int(token), cache,
                                head=False, evaluate=False)
         mx.eval(H, *cache.arrays())
+        self.feeding(cache)
         self.command(Command(STEP, p, np.array([token], dtype=np.int64), True))
         self.transport.send_array(H, 1)
         self.mirrored(cache)
