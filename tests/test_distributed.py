@@ -123,14 +123,6 @@ def test_unknown_mode_is_refused(capsys, tiny_model_path):
         ds4_mlx.load(tiny_model_path, distributed="tensor")
 
 
-def test_disk_cache_with_distributed_is_refused(capsys, tiny_model_path, tmp_path):
-    from ds4_mlx.frontends.cli import main
-
-    assert main(["generate", "-m", str(tiny_model_path), "-p", "hi", "--distributed", "pipeline",
-                 "--kv-disk-dir", str(tmp_path)]) == 2
-    assert "--kv-disk-dir does not work with --distributed yet" in capsys.readouterr().err
-
-
 # -- two ranks on loopback ---------------------------------------------------------------------------
 
 

@@ -16,7 +16,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-import pytest
 
 from tests.test_distributed import CLI, _env, _hostfile
 

@@ -350,7 +350,13 @@ class Session:
         return payload_format.encode(
             self.config, model_id=self.model_id, ctx=self.ctx, chunk=self.chunk,
             numerics=getattr(getattr(self.model, "numerics", None), "value", "default"),
-            tokens=snap.tokens, logits=np.array(snap.logits, dtype=np.float32), arrays=snap.state.to_numpy())
+            tokens=snap.tokens, logits=np.array(snap.logits, dtype=np.float32),
+            arrays=self._whole(snap.state).to_numpy())
+
+    def _whole(self, state: ModelCache) -> ModelCache:
+        # A pipeline's rank 0 holds its own layers only: the others' come from their ranks
+        gather = getattr(self.model, "gather_state", None)
+        return state if gather is None else gather(state)
 
     def payload_bytes(self) -> int:
         """Exact byte size ``save_payload`` would write now."""
@@ -369,6 +375,9 @@ class Session:
         d = dict(p.arrays)
         d["n_tokens"] = np.array(len(p.tokens), dtype=np.int64)
         state = ModelCache.from_numpy(self.config, d)
+        scatter = getattr(self.model, "scatter_state", None)
+        if scatter is not None:  # a pipeline: every rank keeps its own layers of the loaded state
+            state = scatter(state)
         self._set(Snapshot(tuple(p.tokens), state, mx.array(p.logits)))
         return len(p.tokens)
 

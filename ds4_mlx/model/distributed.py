@@ -62,6 +62,8 @@ DEFAULT_JOIN_TIMEOUT_S = 120.0
 # The command ops. 0..15 are this module's and the modes'; further commands take the next free number.
 STOP, CHUNK, STEP = 0, 1, 2
 STATE = 3  # p0: keep the live cache under this id (0: no); arg: restore this id (0: no); tokens: ids to drop
+GATHER = 4  # p0: n tokens; arg: the kept id whose state each rank sends to rank 0 (0: the live one)
+SCATTER = 5  # p0: n tokens; arg: the id each rank keeps the state rank 0 sends under
 HEADER_LEN = 5  # op, p0, n, want, arg
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)  # the codes of ``send_array``
 
@@ -244,6 +246,23 @@ class DistributedModel(Model):
         if not isinstance(tag, StateTag):
             return False
         return tag.id in self._kept or (self._live is not None and self._live() is tag)
+
+    def new_kept_tag(self) -> StateTag:
+        """Rank 0: a fresh id the other ranks are about to keep a state under (``SCATTER``); it is
+        dropped on them after the last cache holding the returned tag is gone."""
+        tag = StateTag(self._next_id)
+        self._next_id += 1
+        self._kept.add(tag.id)
+        weakref.finalize(tag, self._dead.append, tag.id)
+        return tag
+
+    def state_id(self, cache: ModelCache) -> int:
+        """Rank 0: the id of ``cache``'s state on the other ranks, 0 for their live state;
+        ``DistributedError`` when they do not hold it."""
+        if not self.holds(cache):
+            raise DistributedError(f"the other ranks of this {self.mode} run do not hold this state "
+                                   "(it was built on rank 0 alone)")
+        return 0 if self._live is not None and self._live() is cache.tag else cache.tag.id
 
     def feeding(self, cache: ModelCache, origin: ModelCache | None = None) -> None:
         """Rank 0, just before the command that feeds ``cache`` (the other ranks then compute on
