@@ -186,3 +186,89 @@ def test_snapshots_restore_on_every_rank_like_one_process(tiny_model_path, tmp_p
     assert set(got) == {0, 1}, r.stdout + r.stderr
     assert len(ref["out"]) == 13 and got[0]["out"] == ref["out"]
     assert got[0]["kept"] == got[1]["kept"] == []
+
+
+# -- payloads and the disk KV cache across ranks -----------------------------------------------------
+
+_PAYLOAD_SCRIPT = """
+import hashlib, json, sys
+from ds4_mlx.model.loader import load
+from ds4_mlx.engine.session import Session
+
+model, mode, save_to, load_from = sys.argv[1:5]
+m = load(model, numerics="ds4-cpu", distributed=mode or None)
+if getattr(m, "rank", 0):
+    m.follow()
+    print(json.dumps({"rank": m.rank, "kept": sorted(m.kept)}), flush=True)
+    sys.exit(0)
+out = []
+def rec(s):
+    out.append(hashlib.sha256(s.logits().tobytes()).hexdigest())
+prompt = list(range(100, 237))                  # 137 tokens: rows in every compressor lane (ratio 128 too)
+s = Session(m, ctx=300, chunk=8)
+s.sync(prompt)
+s.save(save_to)
+t = Session(m, ctx=300, chunk=8)
+t.load(load_from); rec(t)
+for _ in range(3):
+    t.eval(t.argmax()); rec(t)
+s.eval(5); rec(s)                               # the saving session continues where it was
+t.sync(prompt + [7, 8]); rec(t)                 # behind t's live end: the loaded state again
+s.eval(6); rec(s)
+print(json.dumps({"rank": 0, "out": out, "kept": sorted(getattr(m, "_kept", []))}), flush=True)
+"""
+
+
+def test_payloads_are_one_process_files_and_load_on_every_rank(tiny_model_path, tmp_path):
+    """A payload saved on two ranks is byte for byte the file one process saves (each rank's
+    layers gathered to rank 0), and a file one process saved loads on two ranks (each takes its
+    layers) and continues with bit-identical logits."""
+    from tests.test_distributed import LAUNCH, _run
+
+    script = tmp_path / "payload.py"
+    script.write_text(_PAYLOAD_SCRIPT)
+    one_file, two_file = tmp_path / "one.ds4s", tmp_path / "two.ds4s"
+    one = _run([sys.executable, str(script), str(tiny_model_path), "", str(one_file), str(one_file)], timeout=600)
+    assert one.returncode == 0, one.stderr
+    ref = json.loads(one.stdout.strip().splitlines()[-1])
+    r = _run(LAUNCH + ["-n", "2", "--backend", "ring", "--", sys.executable, str(script), str(tiny_model_path),
+                       "pipeline", str(two_file), str(one_file)], timeout=600)
+    got = {d["rank"]: d for d in (json.loads(line) for line in r.stdout.splitlines() if line.startswith("{"))}
+    assert set(got) == {0, 1}, r.stdout + r.stderr
+    assert two_file.read_bytes() == one_file.read_bytes()
+    assert len(ref["out"]) == 7 and got[0]["out"] == ref["out"]
+    assert got[0]["kept"] == got[1]["kept"]  # the other rank keeps exactly what rank 0 still names
+
+
+def test_disk_kv_cache_hits_on_every_rank_like_one_process(tiny_model_path, tmp_path):
+    """``generate --kv-disk-dir`` on two ranks: a second run of the prompt hits the entry the first
+    stored, an entry one process stored hits as well, and both give one process's logprobs, to
+    the bit."""
+    from tests.test_distributed import LAUNCH, PROMPT, _generate_args, _run
+
+    prompt = tmp_path / "P"
+    prompt.write_text(PROMPT + " " + " ".join(f"item {i}," for i in range(8)))
+
+    def generate(dump: Path, kv: Path, ranks: int) -> str:
+        cmd = CLI + _generate_args(tiny_model_path, prompt, dump, "ds4-cpu") + [
+            "--kv-disk-dir", str(kv), "--kv-cache-min-tokens", "32", "--prefill-chunk", "32"]
+        if ranks > 1:
+            cmd = LAUNCH + ["-n", str(ranks), "--backend", "ring", "--"] + cmd + ["--distributed", "pipeline"]
+        r = _run(cmd, timeout=600)
+        assert dump.exists(), r.stdout + r.stderr
+        assert "Traceback" not in r.stderr, r.stderr
+        return r.stderr
+
+    one_kv, two_kv = tmp_path / "kv1", tmp_path / "kv2"
+    err = generate(tmp_path / "one.json", one_kv, 1)
+    assert "kv cache stored" in err, err
+    ref = (tmp_path / "one.json").read_bytes()
+    err = generate(tmp_path / "two-a.json", two_kv, 2)  # cold: stores (rank 0 gathers rank 1's layers)
+    assert "kv cache stored" in err and "kv cache hit" not in err, err
+    assert (tmp_path / "two-a.json").read_bytes() == ref
+    err = generate(tmp_path / "two-b.json", two_kv, 2)  # the same prompt again: every rank restores
+    assert "kv cache hit" in err, err
+    assert (tmp_path / "two-b.json").read_bytes() == ref
+    err = generate(tmp_path / "two-c.json", one_kv, 2)  # an entry one process wrote
+    assert "kv cache hit" in err, err
+    assert (tmp_path / "two-c.json").read_bytes() == ref
