@@ -121,7 +121,10 @@ def _chat_body(text: str) -> dict:
 
 def test_serve_answers_like_one_process_and_stops_with_rank_0(tiny_model_path, tmp_path):
     cmd = CLI + ["serve", "-m", str(tiny_model_path), "--ctx", "4096", "--numerics", "ds4-cpu"]
-    bodies = [_chat_body("Hello, the capital of France is")]
+    # the second request shares the first one's prefix up to the user text (the session pool
+    # rewinds to a checkpoint: a state restored on every rank), the third repeats the first
+    bodies = [_chat_body("Hello, the capital of France is"), _chat_body("Hello, the capital of Italy is"),
+              _chat_body("Hello, the capital of France is")]
     one, _ = _serve_answers(cmd, tmp_path, bodies, 1)
     two, res = _serve_answers(cmd, tmp_path, bodies, 2)
     for rank, (rc, _, err) in res.items():
