@@ -37,6 +37,10 @@ Metal; ``DS4_MLX_RESUME_PREFILL_MIN`` overrides the default, like ds4's
 ``DS4_METAL_RESUME_PREFILL_MIN``). A one-token step *is* a one-token chunk here, so below the
 crossover the two paths are the same computation; the value matters for speed only.
 
+Across ranks (``distributed="pipeline"``): snapshots, checkpoints and several sessions work as in
+one process (each rank keeps its part of every state rank 0 still holds, ``model.distributed``),
+and a payload gathers every rank's layers, so its file is the one a single process writes.
+
 Equality. Restoring a snapshot or a payload gives the saved arrays bit for bit, so a restored
 session continues exactly as the one that never stopped. Against a *cold* prefill: in the
 ``ds4-cpu`` numerics every chunking gives identical bits; in the ``default`` numerics a resume is

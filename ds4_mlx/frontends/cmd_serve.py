@@ -7,6 +7,9 @@ and --api-key to serve a network.  SIGTERM/SIGINT: stop accepting, cancel what i
 stream ends with finish "error", as ds4), save the live sessions to the disk cache (reason
 "shutdown", with --kv-disk-dir), then exit.
 
+Across machines: `mlx.launch ... -- ds4-mlx serve ... --distributed pipeline`; rank 0 serves HTTP,
+the other ranks hold their layers and exit when rank 0 does (SIGTERM to rank 0 is enough).
+
 KV reuse: each request continues the live session holding the longest prefix of its prompt (or
 the hidden reasoning of the last answer, or a disk checkpoint); the `x-ds4-cache` response header
 and the usage fields say what was reused.

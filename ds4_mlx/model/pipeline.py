@@ -16,8 +16,10 @@ sends the logits back to rank 0 when they are wanted. So every rank computes exa
 process computes for its layers (same module code, same compiled decode functions), and the logits
 are bit-identical to a one-process run.
 
-The other ranks mirror rank 0's *live* cache only (``DistributedModel._claim``); a rank that dies
-ends the others with one line (``distributed.Transport``).
+Every rank keeps its part of the states rank 0 keeps (snapshots, checkpoints, other sessions:
+``DistributedModel.feeding``, the STATE command); payloads and disk KV entries gather every layer
+to rank 0 and scatter them back (GATHER / SCATTER below). A rank that dies ends the others with
+one line (``distributed.Transport``).
 """
 
 from __future__ import annotations
