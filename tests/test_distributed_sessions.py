@@ -275,3 +275,42 @@ def test_disk_kv_cache_hits_on_every_rank_like_one_process(tiny_model_path, tmp_
     err = generate(tmp_path / "two-c.json", one_kv, 2)  # an entry one process wrote
     assert "kv cache hit" in err, err
     assert (tmp_path / "two-c.json").read_bytes() == ref
+
+
+_KILLED_SAVE_SCRIPT = """
+import os, signal, sys, time
+from pathlib import Path
+import ds4_mlx
+from ds4_mlx.errors import DistributedError
+from ds4_mlx.engine.disk_cache import DiskCache, KVStoreOptions
+
+model, work = sys.argv[1], Path(sys.argv[2])
+(work / f"pid{os.environ['MLX_RANK']}").write_text(str(os.getpid()))
+engine = ds4_mlx.load(model, numerics="ds4-cpu", distributed="pipeline")   # rank 1 follows in here
+disk = DiskCache(engine, work / "kv", ctx=64, options=KVStoreOptions(min_tokens=16))
+s = engine.new_session(ctx=64, chunk=8)
+s.sync(list(range(100, 140)))
+os.kill(int((work / "pid1").read_text()), signal.SIGKILL)   # the other rank dies as the saves begin
+time.sleep(1)
+for what, save in (("payload", lambda: s.save(work / "s.ds4s")), ("disk", lambda: disk.save(s, "cold"))):
+    try:
+        print(what, "saved", save(), flush=True)
+    except DistributedError as exc:
+        print(what, "refused:", str(exc).splitlines()[0][:60], flush=True)
+"""
+
+
+def test_a_rank_killed_at_a_save_leaves_nothing_behind(tiny_model_path, tmp_path):
+    """The other rank is SIGKILLed just before rank 0 saves: the gather fails with a one-line
+    error before any file is opened, so no payload file and no disk KV entry exist afterwards."""
+    from ds4_mlx.engine.kvstore_admin import list_entries
+
+    script = tmp_path / "save.py"
+    script.write_text(_KILLED_SAVE_SCRIPT)
+    procs = _ranks([sys.executable, str(script), str(tiny_model_path), str(tmp_path)], tmp_path)
+    res = _finish(procs, timeout=300)
+    out = res[0][1].splitlines()
+    assert [line.split(":")[0] for line in out] == ["payload refused", "disk refused"], res[0]
+    assert "lost the connection" in out[0] and "group is closed" in out[1], out
+    assert not (tmp_path / "s.ds4s").exists()
+    assert not list_entries(tmp_path / "kv").files

@@ -233,12 +233,17 @@ class DistributedModel(Model):
 
     def _claim(self, cache: ModelCache) -> None:
         """Refuse a cache the other ranks do not hold, live or kept (an empty one starts them over)."""
-        if self._closed or self.transport.broken:
-            raise DistributedError(f"the {self.mode} group is closed: the other ranks have stopped")
+        self.check_open()
         if cache.n_tokens != 0 and not self.holds(cache):
             raise DistributedError(f"a distributed ({self.mode}) run can only continue a state every rank "
                                    "holds (its live state or a snapshot of it); this cache was built on "
                                    "rank 0 alone")
+
+    def check_open(self) -> None:
+        """Rank 0: refuse to talk to ranks that stopped or were lost (a send on a failed link can
+        block for ever)."""
+        if self._closed or self.transport.broken:
+            raise DistributedError(f"the {self.mode} group is closed: the other ranks have stopped")
 
     def holds(self, cache: ModelCache) -> bool:
         """Rank 0: whether the other ranks hold ``cache``'s state (live, or kept under its tag)."""

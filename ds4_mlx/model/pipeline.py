@@ -158,6 +158,7 @@ class PipelineModel(DistributedModel):
     def gather_state(self, cache: ModelCache) -> ModelCache:
         """Rank 0: ``cache`` with every layer's state, the other ranks' layers fetched from them."""
         self._driver_only()
+        self.check_open()
         n = cache.n_tokens
         if n == 0:
             return cache
@@ -171,6 +172,7 @@ class PipelineModel(DistributedModel):
         """Rank 0: send the other ranks their layers of ``cache`` (a whole state, e.g. a loaded
         payload) to keep; returns rank 0's part of it, tagged with the state they keep."""
         self._driver_only()
+        self.check_open()
         n = cache.n_tokens
         if n == 0:
             return cache
