@@ -16,6 +16,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 
 from tests.test_distributed import CLI, _env, _hostfile
 
@@ -222,6 +224,7 @@ print(json.dumps({"rank": 0, "out": out, "kept": sorted(getattr(m, "_kept", []))
 """
 
 
+@pytest.mark.slow
 def test_payloads_are_one_process_files_and_load_on_every_rank(tiny_model_path, tmp_path):
     """A payload saved on two ranks is byte for byte the file one process saves (each rank's
     layers gathered to rank 0), and a file one process saved loads on two ranks (each takes its
@@ -243,6 +246,7 @@ def test_payloads_are_one_process_files_and_load_on_every_rank(tiny_model_path, 
     assert got[0]["kept"] == got[1]["kept"]  # the other rank keeps exactly what rank 0 still names
 
 
+@pytest.mark.slow
 def test_disk_kv_cache_hits_on_every_rank_like_one_process(tiny_model_path, tmp_path):
     """``generate --kv-disk-dir`` on two ranks: a second run of the prompt hits the entry the first
     stored, an entry one process stored hits as well, and both give one process's logprobs, to
