@@ -37,6 +37,10 @@ Metal; ``DS4_MLX_RESUME_PREFILL_MIN`` overrides the default, like ds4's
 ``DS4_METAL_RESUME_PREFILL_MIN``). A one-token step *is* a one-token chunk here, so below the
 crossover the two paths are the same computation; the value matters for speed only.
 
+Across ranks (``distributed="pipeline"``): snapshots, checkpoints and several sessions work as in
+one process (each rank keeps its part of every state rank 0 still holds, ``model.distributed``),
+and a payload gathers every rank's layers, so its file is the one a single process writes.
+
 Equality. Restoring a snapshot or a payload gives the saved arrays bit for bit, so a restored
 session continues exactly as the one that never stopped. Against a *cold* prefill: in the
 ``ds4-cpu`` numerics every chunking gives identical bits; in the ``default`` numerics a resume is
@@ -350,7 +354,13 @@ class Session:
         return payload_format.encode(
             self.config, model_id=self.model_id, ctx=self.ctx, chunk=self.chunk,
             numerics=getattr(getattr(self.model, "numerics", None), "value", "default"),
-            tokens=snap.tokens, logits=np.array(snap.logits, dtype=np.float32), arrays=snap.state.to_numpy())
+            tokens=snap.tokens, logits=np.array(snap.logits, dtype=np.float32),
+            arrays=self._whole(snap.state).to_numpy())
+
+    def _whole(self, state: ModelCache) -> ModelCache:
+        # A pipeline's rank 0 holds its own layers only: the others' come from their ranks
+        gather = getattr(self.model, "gather_state", None)
+        return state if gather is None else gather(state)
 
     def payload_bytes(self) -> int:
         """Exact byte size ``save_payload`` would write now."""
@@ -369,6 +379,9 @@ class Session:
         d = dict(p.arrays)
         d["n_tokens"] = np.array(len(p.tokens), dtype=np.int64)
         state = ModelCache.from_numpy(self.config, d)
+        scatter = getattr(self.model, "scatter_state", None)
+        if scatter is not None:  # a pipeline: every rank keeps its own layers of the loaded state
+            state = scatter(state)
         self._set(Snapshot(tuple(p.tokens), state, mx.array(p.logits)))
         return len(p.tokens)
 

@@ -81,7 +81,7 @@ def register(sub) -> None:
     p = sub.add_parser("chat", help="interactive chat (ds4's REPL): one live session across turns",
                        description="Chat with the model; type /help for commands. With stdin piped, "
                                    "each line is a message and each answer one stdout block.")
-    add_model_options(p)
+    add_model_options(p, distributed=True)
     add_system_option(p)
     add_think_options(p)
     add_sampling_options(p)

@@ -118,9 +118,6 @@ def _check_dump_path(path: str) -> None:
 def _validate(args) -> None:
     """Checks that need more than one option or the file system; value ranges are checked while
     parsing (``frontends/args.py``)."""
-    if args.distributed and args.kv_disk_dir:
-        raise UsageError("--kv-disk-dir does not work with --distributed yet: each rank would have to "
-                         "save and restore its own layers")
     if args.dump_logprobs is not None:
         _check_dump_path(args.dump_logprobs)
         if args.temp != 0 and was_given(args, "temp"):

@@ -7,6 +7,9 @@ and --api-key to serve a network.  SIGTERM/SIGINT: stop accepting, cancel what i
 stream ends with finish "error", as ds4), save the live sessions to the disk cache (reason
 "shutdown", with --kv-disk-dir), then exit.
 
+Across machines: `mlx.launch ... -- ds4-mlx serve ... --distributed pipeline`; rank 0 serves HTTP,
+the other ranks hold their layers and exit when rank 0 does (SIGTERM to rank 0 is enough).
+
 KV reuse: each request continues the live session holding the longest prefix of its prompt (or
 the hidden reasoning of the last answer, or a disk checkpoint); the `x-ds4-cache` response header
 and the usage fields say what was reused.
@@ -27,7 +30,7 @@ from ds4_mlx.frontends.args import CTX, add_disk_cache_options, add_model_option
 def register(subparsers) -> None:
     p = subparsers.add_parser("serve", help="run the OpenAI/Anthropic-compatible API server",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_options(p)
+    add_model_options(p, distributed=True)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", action=ranged(int, 1, 65535, why="a TCP port"), default=8000, metavar="N",
                    help="port (default 8000)")
@@ -83,11 +86,27 @@ def serve(app, backend, host: str, port: int, log_level: str = "info") -> None:
     _Server(config).run()
 
 
+def _follow_unless_rank_0(args: argparse.Namespace) -> None:
+    """``--distributed``: only rank 0 serves HTTP (its worker thread loads and drives the model);
+    every other rank loads its share here, on the main thread, follows rank 0 and exits when rank
+    0 stops (``Engine.open``), so it never binds the port. Joining here first tells which rank
+    this is; the loader's own join on rank 0's worker gets the same group back."""
+    from ds4_mlx.engine.engine import Engine
+    from ds4_mlx.frontends.args import model_options
+    from ds4_mlx.model.distributed import join
+
+    if join().rank() != 0:
+        Engine.open(args.model, **model_options(args))  # returns only on rank 0
+
+
 def run(args: argparse.Namespace) -> int:
     _check(args)
+    if args.distributed:
+        _follow_unless_rank_0(args)
     from ds4_mlx.frontends.server import EngineBackend, ServerConfig, create_app
 
     backend = EngineBackend(args.model, ctx=args.ctx, numerics=args.numerics, experts=args.experts,
+                            distributed=args.distributed,
                             kv_disk_dir=args.kv_disk_dir,
                             kv_disk_space_mb=args.kv_disk_space_mb, sessions=args.sessions,
                             sessions_mb=args.sessions_mb,

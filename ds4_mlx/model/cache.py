@@ -419,6 +419,9 @@ class ModelCache:
 
     layers: list[LayerCache] = field(default_factory=list)
     capacity: int = MIN_CAPACITY
+    # A distributed run's rank 0: which state the other ranks hold of this cache (``model.distributed``).
+    # ``copy`` passes it on, so a snapshot and its copies name the same state.
+    tag: object = field(default=None, compare=False, repr=False)
 
     @classmethod
     def empty(cls, cfg: ModelConfig) -> "ModelCache":
@@ -445,7 +448,7 @@ class ModelCache:
 
     def copy(self) -> "ModelCache":
         """An independent snapshot (cheap: see ``LayerCache.copy``)."""
-        return ModelCache([lc.copy() for lc in self.layers], self.capacity)
+        return ModelCache([lc.copy() for lc in self.layers], self.capacity, self.tag)
 
     def arrays(self) -> list[mx.array]:
         """Every live buffer (for ``mx.eval`` and memory accounting)."""

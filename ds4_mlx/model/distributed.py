@@ -20,9 +20,16 @@ command (say, keep the live cache under an id) is one op number next to STOP/CHU
 sends (``command(Command(op, ..., arg=...))``) and one entry in ``handlers()``; its integer argument
 rides in the header's ``arg`` field, bulk data follows on the same links with ``Transport.send_array``.
 
-The other ranks mirror rank 0's *live* cache only: rank 0 continues the cache it last fed (or an
-empty one, which resets them); any other state is refused with a ``DistributedError`` (``_claim``)
-instead of computing on a mismatched one.
+States across ranks. Each state the other ranks computed gets an id on rank 0: a ``StateTag`` in
+the fed cache's ``tag`` (``ModelCache.copy`` passes it on, so a snapshot, its copies and the cache a
+session restores from it all name that state). Before rank 0 moves the other ranks off their live
+state (any CHUNK / STEP), it asks them to *keep* it under its id when a cache on rank 0 still holds
+that tag (a session snapshot, a checkpoint, another session of a server's pool); feeding such a
+cache later first makes every rank *restore* its own part; and when the last cache holding a kept
+tag is gone (a weakref finalizer), its id is *dropped* on the other ranks with the next command, so
+their memory follows rank 0's. All three ride in one STATE command, sent only when there is
+something to do. A cache whose state the other ranks never held (one built on rank 0 alone) is
+refused with a ``DistributedError`` (``_claim``) instead of computing on a mismatched state.
 
 Failure: joining waits at most ``join_timeout`` seconds for the other ranks (a watchdog process,
 because ``mx.distributed.init`` blocks in C); a rank that dies later closes its sockets, the ring
@@ -32,10 +39,12 @@ backend raises on its neighbours, and that becomes a one-line ``DistributedError
 from __future__ import annotations
 
 import atexit
+import collections
 import math
 import os
 import subprocess
 import sys
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
@@ -53,6 +62,9 @@ DEFAULT_JOIN_TIMEOUT_S = 120.0
 
 # The command ops. 0..15 are this module's and the modes'; further commands take the next free number.
 STOP, CHUNK, STEP = 0, 1, 2
+STATE = 3  # p0: keep the live cache under this id (0: no); arg: restore this id (0: no); tokens: ids to drop
+GATHER = 4  # p0: n tokens; arg: the kept id whose state each rank sends to rank 0 (0: the live one)
+SCATTER = 5  # p0: n tokens; arg: the id each rank keeps the state rank 0 sends under
 HEADER_LEN = 5  # op, p0, n, want, arg
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)  # the codes of ``send_array``
 
@@ -180,6 +192,18 @@ class Transport:
 # -- the model of one rank ----------------------------------------------------------------------
 
 
+class StateTag:
+    """Rank 0's name for one state of the other ranks (``id`` > 0), shared by every cache holding it."""
+
+    __slots__ = ("id", "__weakref__")
+
+    def __init__(self, id: int):
+        self.id = id
+
+    def __repr__(self) -> str:
+        return f"StateTag({self.id})"
+
+
 class DistributedModel(Model):
     """One rank's model in a multi-rank run: rank 0 uses it as a ``Model`` (its ``forward_chunk`` /
     ``step`` also drive the other ranks), the others call ``follow()``. Subclasses are the modes."""
@@ -191,9 +215,16 @@ class DistributedModel(Model):
         self.group = group
         self.transport = Transport(group)
         self.rank, self.size = group.rank(), group.size()
-        self._mirrored: ModelCache | None = None  # rank 0: the cache the other ranks hold a copy of
+        # rank 0: the tag of the other ranks' live state (weak: a state no cache holds needs no keeping),
+        # the ids they keep, and kept ids whose last holder is gone (a finalizer appends: any thread)
+        self._live: weakref.ref | None = None
+        self._next_id = 1
+        self._kept: set[int] = set()
+        self._dead: collections.deque[int] = collections.deque()
+        self._fed: weakref.ref | None = None  # the tag ``feeding`` gave, until ``mirrored``
         self._closed = False
         self.cache: ModelCache | None = None  # a follower's live cache
+        self.kept: dict[int, ModelCache] = {}  # a follower's kept states, by rank 0's id
         if self.rank == 0:
             atexit.register(self.close)
 
@@ -213,27 +244,103 @@ class DistributedModel(Model):
                                  "the other ranks run follow()")
 
     def _claim(self, cache: ModelCache) -> None:
-        """Refuse a cache the other ranks do not hold (an empty one starts them over: p0 = 0)."""
+        """Refuse a cache the other ranks do not hold, live or kept (an empty one starts them over)."""
+        self.check_open()
+        if cache.n_tokens != 0 and not self.holds(cache):
+            raise DistributedError(f"a distributed ({self.mode}) run can only continue a state every rank "
+                                   "holds (its live state or a snapshot of it); this cache was built on "
+                                   "rank 0 alone")
+
+    def check_open(self) -> None:
+        """Rank 0: refuse to talk to ranks that stopped or were lost (a send on a failed link can
+        block for ever)."""
         if self._closed or self.transport.broken:
             raise DistributedError(f"the {self.mode} group is closed: the other ranks have stopped")
-        if cache.n_tokens != 0 and cache is not self._mirrored:
-            raise DistributedError(f"a distributed ({self.mode}) session can only continue its live state: "
-                                   "restoring a snapshot, a payload or a disk KV cache entry is not "
-                                   "supported across ranks yet")
+
+    def holds(self, cache: ModelCache) -> bool:
+        """Rank 0: whether the other ranks hold ``cache``'s state (live, or kept under its tag)."""
+        tag = cache.tag
+        if not isinstance(tag, StateTag):
+            return False
+        return tag.id in self._kept or (self._live is not None and self._live() is tag)
+
+    def new_kept_tag(self) -> StateTag:
+        """Rank 0: a fresh id the other ranks are about to keep a state under (``SCATTER``); it is
+        dropped on them after the last cache holding the returned tag is gone."""
+        tag = StateTag(self._next_id)
+        self._next_id += 1
+        self._kept.add(tag.id)
+        weakref.finalize(tag, self._dead.append, tag.id)
+        return tag
+
+    def state_id(self, cache: ModelCache) -> int:
+        """Rank 0: the id of ``cache``'s state on the other ranks, 0 for their live state;
+        ``DistributedError`` when they do not hold it."""
+        if not self.holds(cache):
+            raise DistributedError(f"the other ranks of this {self.mode} run do not hold this state "
+                                   "(it was built on rank 0 alone)")
+        return 0 if self._live is not None and self._live() is cache.tag else cache.tag.id
+
+    def feeding(self, cache: ModelCache, origin: ModelCache | None = None) -> None:
+        """Rank 0, just before the command that feeds ``cache`` (the other ranks then compute on
+        their part of its state): tag ``cache`` with the state it becomes, and send the STATE command
+        that gets the other ranks there first (keep their live state if a cache on rank 0 still holds
+        it, restore ``cache``'s state if it is not the live one, drop the states nobody holds).
+        ``origin``: the caller's cache ``cache`` was copied from, about to be replaced by the result;
+        it does not count as a holder of the live state."""
+        old = cache.tag if cache.n_tokens else None
+        live = self._live() if self._live is not None else None
+        restore = old.id if old is not None and old is not live else 0
+        # Keep the live state if a cache other than ``cache`` (and ``origin``) still holds its tag.
+        cache.tag = None
+        untag_origin = origin is not None and live is not None and origin.tag is live
+        if untag_origin:
+            origin.tag = None
+        live_id = 0 if live is None else live.id
+        del old, live
+        keep = 0
+        live = self._live() if self._live is not None else None  # alive now only if held elsewhere
+        if live is not None and live_id not in self._kept:
+            keep = live_id
+            self._kept.add(keep)
+            weakref.finalize(live, self._dead.append, keep)
+        del live
+        if untag_origin:  # it holds the live state again if anything else does (else it is refused later)
+            origin.tag = self._live() if self._live is not None else None
+        # a restored state whose last holder was ``cache`` is dropped in this same command, after
+        # the restore (``follow_state`` keeps, restores, then drops)
+        drops = []
+        while self._dead:
+            i = self._dead.popleft()
+            if i in self._kept:
+                self._kept.discard(i)
+                drops.append(i)
+        if keep or restore or drops:
+            self.command(Command(STATE, keep, np.array(drops, dtype=np.int64), arg=restore))
+        cache.tag = StateTag(self._next_id)
+        self._next_id += 1
+        self._live = weakref.ref(cache.tag)
+        self._fed = self._live  # ``mirrored`` after the command: already tagged
 
     def command(self, cmd: Command) -> None:
         """Rank 0: send ``cmd`` down the chain (rank 1 relays it on)."""
         self.transport.send_command(cmd, 1)
 
     def mirrored(self, cache: ModelCache) -> None:
-        """Rank 0: the other ranks now hold (their part of) ``cache``."""
-        self._mirrored = cache
+        """Rank 0: the other ranks now hold (their part of) ``cache``. A mode that did not call
+        ``feeding`` before its command still gets live mirroring (no snapshots across ranks)."""
+        fed, self._fed = self._fed, None
+        if fed is None or fed() is not cache.tag:  # a fresh tag: older copies of ``cache`` are stale
+            cache.tag = StateTag(self._next_id)
+            self._next_id += 1
+            self._live = weakref.ref(cache.tag)
 
     def close(self) -> None:
         """Rank 0: tell the other ranks to stop (also run at exit). Safe to call twice."""
         if self.rank != 0 or self._closed or self.transport.broken:
             return
         self._closed = True
+        atexit.unregister(self.close)  # the exit hook held the model alive (serve closes on its worker)
         try:
             self.command(Command(STOP))
         except DistributedError:
@@ -243,7 +350,20 @@ class DistributedModel(Model):
 
     def handlers(self) -> dict[int, Callable[[Command], None]]:
         """op -> what a follower does for it (after relaying it). Modes extend this dict."""
-        return {CHUNK: self.follow_chunk, STEP: self.follow_step}
+        return {CHUNK: self.follow_chunk, STEP: self.follow_step, STATE: self.follow_state}
+
+    def follow_state(self, cmd: Command) -> None:
+        """Keep the live cache under ``p0``, make the one kept under ``arg`` live, drop ``tokens``."""
+        if cmd.p0:
+            self.kept[cmd.p0] = self.cache.copy()
+        if cmd.arg:
+            kept = self.kept.get(cmd.arg)
+            if kept is None:
+                raise DistributedError(f"rank {self.rank}: rank 0 restores state {cmd.arg}, which this rank "
+                                       "does not hold (out of step with rank 0)")
+            self.cache = kept.copy()
+        for i in cmd.tokens:
+            self.kept.pop(int(i), None)
 
     def follow(self) -> None:
         """Ranks > 0: receive rank 0's commands, relay each to the next rank, run it, until STOP

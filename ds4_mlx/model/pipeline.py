@@ -16,8 +16,10 @@ sends the logits back to rank 0 when they are wanted. So every rank computes exa
 process computes for its layers (same module code, same compiled decode functions), and the logits
 are bit-identical to a one-process run.
 
-The other ranks mirror rank 0's *live* cache only (``DistributedModel._claim``); a rank that dies
-ends the others with one line (``distributed.Transport``).
+Every rank keeps its part of the states rank 0 keeps (snapshots, checkpoints, other sessions:
+``DistributedModel.feeding``, the STATE command); payloads and disk KV entries gather every layer
+to rank 0 and scatter them back (GATHER / SCATTER below). A rank that dies ends the others with
+one line (``distributed.Transport``).
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ import mlx.core as mx
 import numpy as np
 
 from ds4_mlx.errors import DistributedError
-from ds4_mlx.model.cache import ModelCache
+from ds4_mlx.model.cache import LayerCache, ModelCache, capacity_for
 # ``join`` and ``MODES`` are re-exported: they were first defined here, and callers still import them here.
 from ds4_mlx.model.distributed import CHUNK, MODES, STEP, Command, DistributedModel, join  # noqa: F401
+from ds4_mlx.model.distributed import GATHER, SCATTER
 
 
 # -- the split -----------------------------------------------------------------------------------
@@ -102,6 +105,7 @@ class PipelineModel(DistributedModel):
     def __init__(self, *args, group, layers: range, **kwargs):
         super().__init__(*args, group=group, **kwargs)
         self.layers = layers
+        self._origin: ModelCache | None = None  # rank 0: the caller's cache of the chunk in flight
 
     # -- rank 0 -------------------------------------------------------------------------------
 
@@ -112,12 +116,17 @@ class PipelineModel(DistributedModel):
                       want_logits: bool = True) -> tuple[mx.array | None, ModelCache]:
         self._driver_only()
         self._claim(cache)
-        return super().forward_chunk(tokens, cache, want_logits)
+        self._origin = cache
+        try:
+            return super().forward_chunk(tokens, cache, want_logits)
+        finally:
+            self._origin = None
 
     def _chunk_logits(self, H: mx.array, tokens: np.ndarray, p0: int, cache: ModelCache,
                       want_logits: bool) -> mx.array | None:
         # ``Model.forward_chunk`` ran rank 0's blocks on a copy of the caller's cache (on an error
         # before this point the caller keeps its cache, the other ranks theirs); the rest runs there.
+        self.feeding(cache, self._origin)
         self.command(Command(CHUNK, p0, np.asarray(tokens, dtype=np.int64), want_logits))
         self.transport.send_array(H, 1)
         self.mirrored(cache)
@@ -133,10 +142,75 @@ class PipelineModel(DistributedModel):
         H = self.decoder().run(self.embed(np.array([token], dtype=np.int64)), int(token), cache,
                                head=False, evaluate=False)
         mx.eval(H, *cache.arrays())
+        self.feeding(cache)
         self.command(Command(STEP, p, np.array([token], dtype=np.int64), True))
         self.transport.send_array(H, 1)
         self.mirrored(cache)
         return self._recv_logits()
+
+    # -- whole states (payloads, the disk KV cache) -----------------------------------------------
+    # A payload holds every layer's state. Saving one, rank 0 asks the other ranks for their layers'
+    # part of the state (GATHER: each rank appends its layers to what the previous ones sent and the
+    # last rank delivers them all to rank 0); loading one, rank 0 sends them theirs (SCATTER: each
+    # takes its own layers and passes the later ones on) and they keep it under an id, like a
+    # snapshot, until rank 0 feeds it. So a payload or a disk KV entry is the same file as one
+    # process writes, whatever the split: it loads on any number of ranks, and in one process.
+
+    def gather_state(self, cache: ModelCache) -> ModelCache:
+        """Rank 0: ``cache`` with every layer's state, the other ranks' layers fetched from them."""
+        self._driver_only()
+        self.check_open()
+        n = cache.n_tokens
+        if n == 0:
+            return cache
+        self.command(Command(GATHER, n, arg=self.state_id(cache)))
+        layers = list(cache.layers)
+        for il, arrays in self._recv_layers(self.size - 1):
+            layers[il] = LayerCache.from_state(self.config, il, n, arrays, cache.capacity)
+        return ModelCache(layers, cache.capacity)
+
+    def scatter_state(self, cache: ModelCache) -> ModelCache:
+        """Rank 0: send the other ranks their layers of ``cache`` (a whole state, e.g. a loaded
+        payload) to keep; returns rank 0's part of it, tagged with the state they keep."""
+        self._driver_only()
+        self.check_open()
+        n = cache.n_tokens
+        if n == 0:
+            return cache
+        tag = self.new_kept_tag()
+        self.command(Command(SCATTER, n, arg=tag.id))
+        self._send_layers([(il, cache.layers[il].state) for il in range(self.config.n_layer)
+                           if il not in self.layers], 1)
+        out = ModelCache([lc if il in self.layers else _empty_layer(self.config, il, cache.capacity, n)
+                          for il, lc in enumerate(cache.layers)], cache.capacity, tag)
+        return out
+
+    def _send_layers(self, layers: list[tuple[int, list[mx.array]]], dst: int) -> None:
+        t = self.transport
+        t.send([mx.array(np.array([len(layers)], dtype=np.int64))], dst)
+        for il, arrays in layers:
+            t.send([mx.array(np.array([il, len(arrays)], dtype=np.int64))], dst)
+            for a in arrays:
+                t.send([mx.array(np.array(a.shape, dtype=np.int64))], dst)
+                if a.size:  # an empty array (no compressed row yet) is its shape alone
+                    t.send_array(a, dst)
+
+    def _recv_layers(self, src: int) -> list[tuple[int, list[mx.array]]]:
+        t, n_layer = self.transport, self.config.n_layer
+        count = int(np.array(t.recv((1,), mx.int64, src))[0])
+        if not 0 <= count <= n_layer:
+            raise DistributedError(f"rank {self.rank}: rank {src} sent the state of {count} layers")
+        out = []
+        for _ in range(count):
+            il, k = (int(v) for v in np.array(t.recv((2,), mx.int64, src)))
+            if not (0 <= il < n_layer and 1 <= k <= 7):
+                raise DistributedError(f"rank {self.rank}: rank {src} sent a bad layer state record ({il}, {k})")
+            arrays = []
+            for _ in range(k):
+                shape = tuple(int(v) for v in np.array(t.recv((2,), mx.int64, src)))
+                arrays.append(t.recv_array(shape, src) if shape[0] * shape[1] else mx.zeros(shape, mx.float32))
+            out.append((il, arrays))
+        return out
 
     # -- the other ranks ----------------------------------------------------------------------
     # The command came from rank - 1 (and was relayed on); H follows it on the same link, and this
@@ -153,6 +227,31 @@ class PipelineModel(DistributedModel):
         elif logits is not None:
             self.transport.send_array(logits, 0)
 
+    def handlers(self):
+        return {**super().handlers(), GATHER: self.follow_gather, SCATTER: self.follow_scatter}
+
+    def follow_gather(self, cmd: Command) -> None:
+        cache = self.cache if cmd.arg == 0 else self.kept.get(cmd.arg)
+        if cache is None or cache.n_tokens != cmd.p0:
+            raise DistributedError(f"rank {self.rank}: rank 0 asks for state {cmd.arg} of {cmd.p0} tokens, "
+                                   "which this rank does not hold (out of step with rank 0)")
+        before = self._recv_layers(self.rank - 1) if self.rank > 1 else []
+        own = [(il, cache.layers[il].state) for il in self.layers]
+        self._send_layers(before + own, 0 if self.is_last else self.rank + 1)
+
+    def follow_scatter(self, cmd: Command) -> None:
+        parts = self._recv_layers(self.rank - 1)
+        if not self.is_last:
+            self._send_layers([(il, a) for il, a in parts if il >= self.layers.stop], self.rank + 1)
+        own = {il: a for il, a in parts if il in self.layers}
+        if sorted(own) != list(self.layers):
+            raise DistributedError(f"rank {self.rank}: rank 0 sent layers {sorted(own)} of a state, "
+                                   f"this rank holds layers {self.layers.start}..{self.layers.stop - 1}")
+        n, cfg = cmd.p0, self.config
+        cap = capacity_for(max(n - 1, 0))
+        self.kept[cmd.arg] = ModelCache([LayerCache.from_state(cfg, il, n, own[il], cap) if il in own
+                                         else _empty_layer(cfg, il, cap, n) for il in range(cfg.n_layer)], cap)
+
     def follow_chunk(self, cmd: Command) -> None:
         H = self._recv_h(len(cmd.tokens))
         cache = self.live_cache(cmd)
@@ -168,3 +267,10 @@ class PipelineModel(DistributedModel):
         out, H = (y, None) if self.is_last else (None, y)
         mx.eval(*([] if H is None else [H]), *cache.arrays())
         self._deliver(H, out)
+
+
+def _empty_layer(cfg, il: int, capacity: int, n: int) -> LayerCache:
+    """A layer another rank holds, in a cache after ``n`` tokens (what a rank's live cache has there)."""
+    lc = LayerCache.empty(cfg, il, capacity)
+    lc.offset = n
+    return lc

@@ -263,8 +263,9 @@ class EngineBackend(Backend):
                  kv_disk_dir: str | None = None, kv_disk_space_mb: float | None = None,
                  sessions: int = 1, sessions_mb: float = 0, max_queue: int = 64,
                  model_id: str = "deepseek-v4-flash", replay=None,
-                 logits_hook: Callable | None = None) -> None:
+                 logits_hook: Callable | None = None, distributed: str | None = None) -> None:
         self.model_path = model_path
+        self.distributed = distributed
         self.numerics = numerics
         self.experts = experts
         self.kv_disk_dir = kv_disk_dir
@@ -290,7 +291,8 @@ class EngineBackend(Backend):
         import ds4_mlx
         from ds4_mlx.engine.session_pool import SessionPool
 
-        model = ds4_mlx.load(self.model_path, numerics=self.numerics, experts=self.experts)
+        model = ds4_mlx.load(self.model_path, numerics=self.numerics, experts=self.experts,
+                             distributed=self.distributed)
         if self.ctx > model.context_length:
             raise Ds4Error(f"--ctx {self.ctx} is larger than the model's context length {model.context_length}")
         disk = None
@@ -324,6 +326,9 @@ class EngineBackend(Backend):
     def _release_mlx(self) -> None:
         from ds4_mlx.engine.engine import end_model_thread
 
+        close = getattr(getattr(self.model, "network", None), "close", None)
+        if close is not None:
+            close()  # a pipeline's rank 0: stop the other ranks from this thread, which drove them
         self.pool = self.disk = self.model = None
         end_model_thread()  # on the worker, the thread that made them (see its docstring)
 
