@@ -45,8 +45,13 @@ MODES = ("pipeline",)
 DEFAULT_JOIN_TIMEOUT_S = 120.0
 
 _STOP, _CHUNK, _STEP = 0, 1, 2
+_PHASES = ("prefill", "decode", "stop")  # traffic counted by what it served: >1 token, 1 token, the end
 _DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 _HEADER = 5  # op, p0 (0: start from an empty cache), n tokens, want logits, dtype code
+
+
+def _phase(op: int, n: int) -> str:
+    return "stop" if op == _STOP else ("decode" if n == 1 else "prefill")
 
 
 # -- the split -----------------------------------------------------------------------------------
@@ -158,6 +163,10 @@ class PipelineModel(Model):
         self.rank, self.size = group.rank(), group.size()
         self._mirrored: ModelCache | None = None  # rank 0: the cache the other ranks hold a copy of
         self._stopped = False
+        # Bytes and messages this rank has sent, by the kind of call they served (``_PHASES``; a
+        # one-token chunk counts as decode): benchmarks/bench_distributed.py reads them.
+        self.sent = {phase: {"bytes": 0, "messages": 0} for phase in _PHASES}
+        self._phase = "stop"
         if self.rank == 0:
             atexit.register(self.close)
 
@@ -182,6 +191,8 @@ class PipelineModel(Model):
         try:
             for a in arrays:  # one at a time: the messages must leave in this order
                 mx.eval(mx.distributed.send(a, dst, group=self.group, stream=mx.cpu))
+                self.sent[self._phase]["bytes"] += a.nbytes
+                self.sent[self._phase]["messages"] += 1
         except RuntimeError as exc:
             raise self._lost(exc) from None
 
@@ -217,6 +228,7 @@ class PipelineModel(Model):
 
     def _header(self, op: int, p0: int, n: int, want: bool, H: mx.array | None) -> np.ndarray:
         code = 0 if H is None else _DTYPES.index(H.dtype)
+        self._phase = _phase(op, n)
         return np.array([op, p0, n, int(want), code], dtype=np.int64)
 
     def forward_chunk(self, tokens: np.ndarray, cache: ModelCache,
@@ -272,6 +284,7 @@ class PipelineModel(Model):
         while True:
             header = np.array(self._recv((_HEADER,), mx.int64, src))
             op, p0, n, want, code = (int(v) for v in header)
+            self._phase = _phase(op, n)
             tokens = np.array(self._recv((max(n, 1),), mx.int64, src))
             if op == _STOP:
                 self._recv((1,), mx.float32, src)
