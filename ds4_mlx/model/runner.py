@@ -50,7 +50,7 @@ class Runner:
         self.compiled = want and model.ops.compilable
         # The live cache after ``n_tokens`` (take ``copy()`` for anything that must outlive the next
         # feed: decode steps update it in place).
-        self.state = ModelCache.empty(cfg)
+        self.state = ModelCache.empty(cfg, getattr(model, "layers", None))  # a pipeline rank: its own layers
         self.tokens: list[int] = []
         self._logits: mx.array | None = None
 
