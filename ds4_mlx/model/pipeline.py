@@ -39,6 +39,7 @@ import numpy as np
 from ds4_mlx.errors import DistributedError, InferenceError
 from ds4_mlx.model import join_watchdog
 from ds4_mlx.model.cache import ModelCache
+from ds4_mlx.model.experts import EXPERT_CACHE, routed_share
 from ds4_mlx.model.transformer import Model, all_finite, raise_nonfinite
 
 MODES = ("pipeline",)
@@ -167,6 +168,8 @@ class PipelineModel(Model):
         # one-token chunk counts as decode): benchmarks/bench_distributed.py reads them.
         self.sent = {phase: {"bytes": 0, "messages": 0} for phase in _PHASES}
         self._phase = "stop"
+        if self.source is not None:  # the default expert-LRU budget: this rank's share (its docstring)
+            EXPERT_CACHE.scale_default(routed_share(self.source, layers))
         if self.rank == 0:
             atexit.register(self.close)
 
@@ -279,7 +282,7 @@ class PipelineModel(Model):
         if self.rank == 0:
             raise InferenceError("rank 0 drives the pipeline; follow() is for the other ranks")
         cfg = self.config
-        cache = ModelCache.empty(cfg)
+        cache = ModelCache.empty(cfg, self.layers)  # this rank's layers only
         src = self.rank - 1
         while True:
             header = np.array(self._recv((_HEADER,), mx.int64, src))
@@ -293,7 +296,7 @@ class PipelineModel(Model):
                 return
             H = self._recv((n, cfg.n_hc, cfg.n_embd), _DTYPES[code], src)
             if p0 == 0:  # rank 0 feeds an empty cache (``_claim``): start over
-                cache = ModelCache.empty(cfg)
+                cache = ModelCache.empty(cfg, self.layers)  # this rank's layers only
             if cache.n_tokens != p0:
                 raise DistributedError(f"rank {self.rank}: out of step with rank 0 (it feeds position {p0}, "
                                        f"this rank holds {cache.n_tokens} tokens)")
