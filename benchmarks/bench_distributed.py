@@ -53,8 +53,8 @@ FLASH = {"n_layer": 43, "n_embd": 4096, "n_hc": 4, "n_vocab": 129280, "n_expert"
 # is an assumption in line with MLX's docs calling JACCL "low latency" (an order of magnitude below
 # TCP); 10 GbE is 1.25 GB/s with ~50 us per message through the kernel's TCP stack (the ring backend).
 LINKS = {
-    "tb5-jaccl": (10e-6, 10e9),
-    "10gbe-ring": (50e-6, 1.25e9),
+    "TB5 JACCL": (10e-6, 10e9),
+    "10 GbE ring": (50e-6, 1.25e9),
 }
 
 # Measured single-Mac decode (ds4's README, short prompt, Metal): M3 Max 128 GB q2 26.68 t/s;
@@ -127,8 +127,11 @@ def paper_table() -> list[dict]:
                 for mode in (("pipeline", "experts") if n > 1 else ("one",)):
                     r = paper_decode(t_layer, FLASH["n_layer"], n, mode if n > 1 else "pipeline", lat, bw,
                                      FLASH["n_embd"], FLASH["n_hc"], FLASH["n_vocab"], share)
-                    gb = MODEL_BYTES[quant] / 1e9
-                    per_rank = gb / n if mode != "experts" else gb * (1 - 0.97) + gb * 0.97 / n
+                    experts_total = FLASH["n_layer"] * FLASH["n_expert"] * EXPERT_BYTES[quant]
+                    if mode == "experts":  # every rank: all non-expert weights, 1/n of the experts
+                        per_rank = (MODEL_BYTES[quant] - experts_total + experts_total / n) / 1e9
+                    else:  # the layers split by bytes: about 1/n each
+                        per_rank = MODEL_BYTES[quant] / n / 1e9
                     rows.append({"quant": quant, "link": link, "macs": n, "mode": mode,
                                  "t_layer_ms": 1e3 * t_layer, "expert_share": share,
                                  "tps": r["tps"], "comm_ms": 1e3 * r["comm_s"],
@@ -136,9 +139,10 @@ def paper_table() -> list[dict]:
     return rows
 
 
-def print_paper(rows: list[dict]) -> None:
-    print("| quant | link | Macs | mode | GB per Mac | comm ms/token | decode t/s |")
-    print("|---|---|---:|---|---:|---:|---:|")
+def paper_lines(rows: list[dict]) -> list[str]:
+    """The table as Markdown lines (the README holds them verbatim)."""
+    out = ["| quant | link | Macs | mode | GB per Mac | comm ms/token | decode t/s |",
+           "|---|---|---:|---|---:|---:|---:|"]
     seen_one = set()
     for r in rows:
         if r["mode"] == "one":
@@ -148,8 +152,9 @@ def print_paper(rows: list[dict]) -> None:
             link = "-"
         else:
             link = r["link"]
-        print(f"| {r['quant']} | {link} | {r['macs']} | {r['mode']} | {r['gb_per_mac']:.0f} | "
-              f"{r['comm_ms']:.2f} | {r['tps']:.1f} |")
+        out.append(f"| {r['quant']} | {link} | {r['macs']} | {r['mode']} | {r['gb_per_mac']:.0f} | "
+                   f"{r['comm_ms']:.2f} | {r['tps']:.1f} |")
+    return out
 
 
 # -- one worker: a one-process run or one rank ---------------------------------------------------------
@@ -188,7 +193,8 @@ def worker(args) -> int:
     model = load(args.model, numerics=args.numerics, distributed=mode)
     t_load = time.perf_counter() - t0
     rank = getattr(model, "rank", 0)
-    out = {"rank": rank, "load_s": t_load, "layers": [int(b.il) for b in model.blocks]}
+    out = {"rank": rank, "load_s": t_load, "layers": [int(b.il) for b in model.blocks],
+           "head": model.output is not None}
     if rank:
         model.follow()
     else:
@@ -215,6 +221,9 @@ def worker(args) -> int:
     sent = getattr(model, "sent", None)
     if sent is not None:
         out["sent"] = sent
+    from ds4_mlx.model.experts import EXPERT_CACHE
+
+    out["expert_cache"] = {"limit_bytes": EXPERT_CACHE.limit_bytes, "bytes": EXPERT_CACHE.nbytes}
     out["peak_rss_bytes"] = _peak_rss()
     out["memory_at_end"] = _memory()
     name = "one.json" if mode is None else f"rank{rank}.json"
@@ -295,11 +304,12 @@ def measure(model: Path, mode: str = "pipeline", ranks: int = 2, prompt_tokens: 
         "numerics": numerics,
         "prompt_tokens": prompt_tokens,
         "decode_tokens": decode,
-        "one": {"peak_rss_bytes": one["peak_rss_bytes"], "prefill_tps": prompt_tokens / one["prefill_s"],
+        "one": {"peak_rss_bytes": one["peak_rss_bytes"], "expert_cache": one["expert_cache"],
+                "prefill_tps": prompt_tokens / one["prefill_s"],
                 "decode_tps": decode / one["decode_s"] if decode else None},
         "per_rank": [{"rank": p["rank"], "layers": p["layers"], "peak_rss_bytes": p["peak_rss_bytes"],
-                      "rss_ratio": p["peak_rss_bytes"] / one["peak_rss_bytes"], "sent": p.get("sent")}
-                     for p in per_rank],
+                      "rss_ratio": p["peak_rss_bytes"] / one["peak_rss_bytes"], "sent": p.get("sent"),
+                      "head": p["head"], "expert_cache": p["expert_cache"]} for p in per_rank],
         "rss_ratio_max": max(p["peak_rss_bytes"] for p in per_rank) / one["peak_rss_bytes"],
         "prefill_tps": prompt_tokens / lead["prefill_s"],
         "decode_tps": decode / lead["decode_s"] if decode else None,
@@ -346,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = paper_table()
         print(json.dumps(rows) if args.json else "", end="\n" if args.json else "")
         if not args.json:
-            print_paper(rows)
+            print("\n".join(paper_lines(rows)))
         return 0
     if args.prompt_tokens < 2 or args.decode < 0 or args.ranks < 2:
         ap.error("--prompt-tokens must be >= 2, --decode >= 0 and --ranks >= 2")
