@@ -266,7 +266,7 @@ def _free_port() -> int:
 def _run(cmd: list[str], what: str, timeout: float) -> None:
     r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
     if r.returncode != 0:
-        tail = (r.stdout + r.stderr).strip().splitlines()[-5:]
+        tail = (r.stdout + r.stderr).strip().splitlines()[-1:]
         raise RuntimeError(f"{what} failed (exit {r.returncode}): " + " | ".join(tail))
 
 
@@ -351,7 +351,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: one run, figures to this dir
     args = ap.parse_args(argv)
     if args.worker:
-        return worker(args)
+        from ds4_mlx.errors import Ds4Error
+
+        try:
+            return worker(args)
+        except Ds4Error as exc:  # one line, which the parent reports
+            print(exc, file=sys.stderr)
+            return 2
     if args.paper:
         rows = paper_table()
         print(json.dumps(rows) if args.json else "", end="\n" if args.json else "")
@@ -369,7 +375,12 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="ds4-bench-dist-model-") as tmpdir:
         args.model = benchmark_model_path(args.model, Path(tmpdir))
-        res = measure(args.model, args.mode, args.ranks, args.prompt_tokens, args.decode, args.numerics, args.seed)
+        try:
+            res = measure(args.model, args.mode, args.ranks, args.prompt_tokens, args.decode, args.numerics,
+                          args.seed)
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            print(f"bench_distributed: error: {exc}", file=sys.stderr)
+            return 1
     print(json.dumps(res) if args.json else "", end="\n" if args.json else "")
     if not args.json:
         print_report(res)

@@ -127,3 +127,19 @@ def test_paper_table_is_printed_and_is_the_readme_s(capsys):
         assert one and all(r["tps"] == pytest.approx(tps) for r in one)
         pipe = [r for r in rows if r["quant"] == quant and r["mode"] == "pipeline"]
         assert all(r["tps"] < tps for r in pipe)
+
+
+def test_a_bad_model_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGU")
+    assert bd.main(["--model", str(bad), "--prompt-tokens", "4", "--decode", "1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("bench_distributed: error: the one-process run failed (exit 2): ") \
+        and "magic" in err[0], err
+
+
+@pytest.mark.parametrize("argv", [["--ranks", "1"], ["--prompt-tokens", "1"], ["--decode", "-1"]])
+def test_bad_settings_are_refused(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bd.main(argv)
+    assert exc.value.code == 2 and "must be" in capsys.readouterr().err
