@@ -296,6 +296,7 @@ def measure(model: Path, mode: str = "pipeline", ranks: int = 2, prompt_tokens: 
     sent = {phase: sum(p.get("sent", {}).get(phase, {}).get("bytes", 0) for p in per_rank)
             for phase in ("prefill", "decode", "stop")}
     n_dec = max(decode, 1)
+    counted = any("sent" in p for p in per_rank)
     return {
         "model": str(model),
         "mode": mode,
@@ -315,8 +316,9 @@ def measure(model: Path, mode: str = "pipeline", ranks: int = 2, prompt_tokens: 
         "decode_tps": decode / lead["decode_s"] if decode else None,
         "prefill_speedup": one["prefill_s"] / lead["prefill_s"],
         "decode_speedup": one["decode_s"] / lead["decode_s"] if decode else None,
-        "bytes_per_prefill_token": sent["prefill"] / prompt_tokens,
-        "bytes_per_decode_token": sent["decode"] / n_dec,
+        # None: this mode's transport does not count its traffic (no ``sent`` on the model)
+        "bytes_per_prefill_token": sent["prefill"] / prompt_tokens if counted else None,
+        "bytes_per_decode_token": sent["decode"] / n_dec if counted else None,
         "same_tokens": one["tokens"] == lead["tokens"],
     }
 
@@ -333,8 +335,11 @@ def print_report(res: dict) -> None:
     print(f"  distributed   prefill {res['prefill_tps']:8.1f} t/s ({res['prefill_speedup']:.2f}x)   decode "
           f"{res['decode_tps'] or 0:7.2f} t/s ({res['decode_speedup'] or 0:.2f}x)   same greedy tokens: "
           f"{res['same_tokens']}")
-    print(f"  sent between ranks: {res['bytes_per_prefill_token']:.0f} B per prefilled token, "
-          f"{res['bytes_per_decode_token']:.0f} B per decoded token")
+    if res["bytes_per_decode_token"] is None:
+        print("  sent between ranks: not counted by this mode's transport")
+    else:
+        print(f"  sent between ranks: {res['bytes_per_prefill_token']:.0f} B per prefilled token, "
+              f"{res['bytes_per_decode_token']:.0f} B per decoded token")
 
 
 def main(argv: list[str] | None = None) -> int:
