@@ -214,7 +214,8 @@ def worker(args) -> int:
             nxt = int(np.argmax(run.logits()))
             chosen.append(nxt)
         t_decode = time.perf_counter() - t0
-        out.update(prefill_s=t_prefill, decode_s=t_decode, tokens=chosen)
+        out.update(prefill_s=t_prefill, decode_s=t_decode, tokens=chosen,
+                   cache_layers=[il for il, lc in enumerate(run.state.layers) if lc is not None])
         close = getattr(model, "close", None)
         if close is not None:
             close()  # stop the other ranks now, so their figures are final
@@ -320,6 +321,7 @@ def measure(model: Path, mode: str = "pipeline", ranks: int = 2, prompt_tokens: 
         "bytes_per_prefill_token": sent["prefill"] / prompt_tokens if counted else None,
         "bytes_per_decode_token": sent["decode"] / n_dec if counted else None,
         "same_tokens": one["tokens"] == lead["tokens"],
+        "rank0_cache_layers": lead["cache_layers"],  # the layers rank 0's live cache holds
     }
 
 

@@ -33,6 +33,7 @@ def test_the_json_fields(run):
     layers = [il for p in run["per_rank"] for il in p["layers"]]
     assert layers == sorted(set(layers)) and layers[0] == 0  # disjoint, in order, all of them
     assert run["same_tokens"] is True  # the pipeline computes what one process computes
+    assert run["rank0_cache_layers"] == run["per_rank"][0]["layers"]  # its own layers' caches only
     for v in (run["prefill_tps"], run["decode_tps"], run["one"]["prefill_tps"], run["one"]["decode_tps"]):
         assert v > 0
     assert run["rss_ratio_max"] == max(p["rss_ratio"] for p in run["per_rank"])
