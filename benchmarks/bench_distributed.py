@@ -116,11 +116,13 @@ def paper_decode(t_layer: float, n_layer: int, n_ranks: int, mode: str, latency:
     return {"s_per_token": s, "tps": 1.0 / s, "comm_s": comm, "bytes_per_token": nbytes}
 
 
-def paper_table() -> list[dict]:
-    """The README's rows: q2 / q4, 1, 2 and 4 Macs, pipeline and expert parallel, both links."""
+def paper_table(t_layer_ms: float | None = None) -> list[dict]:
+    """The README's rows: q2 / q4, 1, 2 and 4 Macs, pipeline and expert parallel, both links.
+    ``t_layer_ms``: your own per-layer decode time (e.g. bench_model.py's ms per token on your Mac
+    divided by the layers) instead of ds4's measured figures, for both quants."""
     rows = []
     for quant in ("q2", "q4"):
-        t_layer = 1.0 / SINGLE_MAC_TPS[quant] / FLASH["n_layer"]
+        t_layer = 1.0 / SINGLE_MAC_TPS[quant] / FLASH["n_layer"] if t_layer_ms is None else t_layer_ms / 1e3
         share = expert_share(quant)
         for link, (lat, bw) in LINKS.items():
             for n in (1, 2, 4):
@@ -355,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--paper", action="store_true", help="print the paper model of real links (README table)")
+    ap.add_argument("--t-layer-ms", type=float, default=None,
+                    help="--paper with this per-layer decode time (ms) instead of ds4's measured Mac figures")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: one run, figures to this dir
     args = ap.parse_args(argv)
     if args.worker:
@@ -365,8 +369,10 @@ def main(argv: list[str] | None = None) -> int:
         except Ds4Error as exc:  # one line, which the parent reports
             print(exc, file=sys.stderr)
             return 2
+    if args.t_layer_ms is not None and not (args.t_layer_ms > 0 and args.t_layer_ms < float("inf")):
+        ap.error(f"--t-layer-ms must be a positive number of milliseconds, got {args.t_layer_ms}")
     if args.paper:
-        rows = paper_table()
+        rows = paper_table(args.t_layer_ms)
         print(json.dumps(rows) if args.json else "", end="\n" if args.json else "")
         if not args.json:
             print("\n".join(paper_lines(rows)))

@@ -123,6 +123,8 @@ def test_paper_table_is_printed_and_is_the_readme_s(capsys):
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
     assert "\n".join(lines) in readme  # the README's table is reproducible by --paper
     rows = bd.paper_table()
+    mine = bd.paper_table(t_layer_ms=1.0)  # your own per-layer time: one Mac = 1 / (43 ms)
+    assert all(r["tps"] == pytest.approx(1e3 / 43) for r in mine if r["macs"] == 1)
     # one Mac is the measured speed; a pipeline on one sequence adds only link time
     for quant, tps in bd.SINGLE_MAC_TPS.items():
         one = [r for r in rows if r["quant"] == quant and r["macs"] == 1]
@@ -140,7 +142,8 @@ def test_a_bad_model_is_one_line(tmp_path, capsys):
         and "magic" in err[0], err
 
 
-@pytest.mark.parametrize("argv", [["--ranks", "1"], ["--prompt-tokens", "1"], ["--decode", "-1"]])
+@pytest.mark.parametrize("argv", [["--ranks", "1"], ["--prompt-tokens", "1"], ["--decode", "-1"],
+                                  ["--paper", "--t-layer-ms", "0"], ["--paper", "--t-layer-ms", "nan"]])
 def test_bad_settings_are_refused(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         bd.main(argv)
