@@ -196,7 +196,7 @@ def worker(args) -> int:
     t_load = time.perf_counter() - t0
     rank = getattr(model, "rank", 0)
     out = {"rank": rank, "load_s": t_load, "layers": [int(b.il) for b in model.blocks],
-           "head": model.output is not None}
+           "head": getattr(model, "output", None) is not None}
     if rank:
         model.follow()
     else:
