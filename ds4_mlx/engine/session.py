@@ -229,7 +229,7 @@ class Session:
 
     def reset(self) -> None:
         """Empty the live state (snapshot pools are kept)."""
-        self._rt.restore((ModelCache.empty(self.config), [], None))
+        self._rt.restore((self._rt.model.empty_cache(), [], None))
 
     def _goto(self, target: list[int], allow_rebuild: bool) -> SyncStats:
         common = self.common_prefix(target)

@@ -415,26 +415,39 @@ class LayerCache:
 
 @dataclass
 class ModelCache:
-    """The whole model's cache after ``n_tokens`` tokens (token ids and logits live in the session)."""
+    """The whole model's cache after ``n_tokens`` tokens (token ids and logits live in the session).
 
-    layers: list[LayerCache] = field(default_factory=list)
+    ``layers[il]`` is layer il's ``LayerCache``, or None for a layer this process does not run (a
+    pipeline rank holds only its own range: ``empty(cfg, layers)``); every method below walks the
+    present entries only, so such a cache's state, arrays and bytes are its own layers'. A cache
+    of every layer (one process) has no None entry and serialises as before."""
+
+    layers: list[LayerCache | None] = field(default_factory=list)
     capacity: int = MIN_CAPACITY
     # A distributed run's rank 0: which state the other ranks hold of this cache (``model.distributed``).
     # ``copy`` passes it on, so a snapshot and its copies name the same state.
     tag: object = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def empty(cls, cfg: ModelConfig) -> "ModelCache":
+    def empty(cls, cfg: ModelConfig, layers: range | None = None) -> "ModelCache":
+        """An empty cache of every layer, or only of ``layers`` (the others None)."""
         cap = capacity_for(0)
-        return cls([LayerCache.empty(cfg, il, cap) for il in range(cfg.n_layer)], cap)
+        own = range(cfg.n_layer) if layers is None else layers
+        return cls([LayerCache.empty(cfg, il, cap) if il in own else None for il in range(cfg.n_layer)], cap)
+
+    @property
+    def own(self) -> list[LayerCache]:
+        """The layer caches present (all of them but on a pipeline rank)."""
+        return [lc for lc in self.layers if lc is not None]
 
     @property
     def n_tokens(self) -> int:
-        return self.layers[0].offset if self.layers else 0
+        own = self.own
+        return own[0].offset if own else 0
 
     def advance(self, n: int) -> None:
         """Every layer has taken tokens up to ``n`` (the call's positions are unbound)."""
-        for lc in self.layers:
+        for lc in self.own:
             lc.offset = n
             lc.bind(None)
 
@@ -442,17 +455,17 @@ class ModelCache:
         """Grow the row buffers for a call whose last token is at ``last_position``."""
         cap = capacity_for(last_position)
         if cap > self.capacity:
-            for lc in self.layers:
+            for lc in self.own:
                 lc.grow(cap)
             self.capacity = cap
 
     def copy(self) -> "ModelCache":
         """An independent snapshot (cheap: see ``LayerCache.copy``)."""
-        return ModelCache([lc.copy() for lc in self.layers], self.capacity, self.tag)
+        return ModelCache([None if lc is None else lc.copy() for lc in self.layers], self.capacity, self.tag)
 
     def arrays(self) -> list[mx.array]:
         """Every live buffer (for ``mx.eval`` and memory accounting)."""
-        return [a for lc in self.layers for a in lc.arrays()]
+        return [a for lc in self.own for a in lc.arrays()]
 
     @property
     def nbytes(self) -> int:
@@ -463,7 +476,7 @@ class ModelCache:
         """Bytes of the canonical state (what a payload stores, what ds4's snapshot holds): raw
         window, valid rows and frontiers; ``nbytes`` counts the buffers as allocated."""
         n, total = self.n_tokens, 0
-        for lc in self.layers:
+        for lc in self.own:
             total += min(n, lc.n_swa) * lc.ring.shape[1] * 4
             total += sum((n // lane.ratio * lane.dim + lane.kst.size + lane.gst.size) * 4 for lane in lc.lanes)
         return total
@@ -473,12 +486,14 @@ class ModelCache:
     @property
     def state(self) -> list[mx.array]:
         """The canonical arrays in ``state_layout`` order (exact; independent of the capacity)."""
-        return [a for lc in self.layers for a in lc.state]
+        return [a for lc in self.own for a in lc.state]
 
     def layout(self) -> list[StateArray]:
         """``state_layout`` of this cache as it is (its lanes and shapes; no config needed)."""
         out = []
         for il, lc in enumerate(self.layers):
+            if lc is None:
+                continue
             for i, a in enumerate(lc.state):
                 lane, fld = (0, 0) if i == 0 else (1 + (i - 1) // 3, (i - 1) % 3)
                 out.append(StateArray(il, lane, fld, tuple(a.shape)))

@@ -166,7 +166,7 @@ class CompiledDecoder:
         blocks = model.blocks
         # The structure of each layer's cache (which lanes, their sizes) for the views built inside
         # the traces; its arrays are never read.
-        templates = ModelCache.empty(model.config).layers
+        templates = model.empty_cache().layers
         self._device_routed = [b.ffn.routes_on_device for b in blocks]
         self._any_device_routed = any(self._device_routed)
         # each block's RoPE rows, looked up once here, not per layer and step (blocks with the same

@@ -67,6 +67,15 @@ GATHER = 4  # p0: n tokens; arg: the kept id whose state each rank sends to rank
 SCATTER = 5  # p0: n tokens; arg: the id each rank keeps the state rank 0 sends under
 HEADER_LEN = 5  # op, p0, n, want, arg
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)  # the codes of ``send_array``
+PHASES = ("prefill", "decode", "session", "stop")  # what the traffic served (``Transport.sent``)
+
+
+def phase_of(op: int, n_tokens: int) -> str:
+    if op == STOP:
+        return "stop"
+    if op in (CHUNK, STEP):
+        return "decode" if n_tokens == 1 else "prefill"
+    return "session"
 
 
 # -- joining -------------------------------------------------------------------------------------
@@ -134,6 +143,12 @@ class Transport:
         self.group = group
         self.rank, self.size = group.rank(), group.size()
         self.broken = False
+        # Bytes and messages this rank sent, by what the command in flight served (``PHASES``: a
+        # one-token CHUNK or STEP is decode; STATE/GATHER/SCATTER are session): bench_distributed
+        # reads them. Collectives (an all_sum inside the model) are not point-to-point sends and
+        # are not counted here.
+        self.sent = {phase: {"bytes": 0, "messages": 0} for phase in PHASES}
+        self.phase = "stop"
 
     def lost(self, exc: Exception) -> DistributedError:
         # No STOP at exit after this: the ring backend has failed its connections, and a send over
@@ -146,6 +161,8 @@ class Transport:
         try:
             for a in arrays:  # one at a time: the messages must leave in this order
                 mx.eval(mx.distributed.send(a, dst, group=self.group, stream=mx.cpu))
+                self.sent[self.phase]["bytes"] += a.nbytes
+                self.sent[self.phase]["messages"] += 1
         except RuntimeError as exc:
             raise self.lost(exc) from None
 
@@ -178,6 +195,7 @@ class Transport:
         return self.recv(shape, DTYPES[code], src)
 
     def send_command(self, cmd: Command, dst: int) -> None:
+        self.phase = phase_of(cmd.op, len(cmd.tokens))
         tokens = cmd.tokens if len(cmd.tokens) else np.zeros(1, np.int64)
         self.send([mx.array(cmd.header()), mx.array(np.asarray(tokens, dtype=np.int64))], dst)
 
@@ -185,6 +203,7 @@ class Transport:
         op, p0, n, want, arg = (int(v) for v in np.array(self.recv((HEADER_LEN,), mx.int64, src)))
         if n < 0:
             raise DistributedError(f"rank {self.rank}: rank {src} sent a command over {n} tokens")
+        self.phase = phase_of(op, n)  # what this rank sends next serves this command
         tokens = np.array(self.recv((max(n, 1),), mx.int64, src))[:n]
         return Command(op, p0, tokens, bool(want), arg)
 
@@ -370,7 +389,7 @@ class DistributedModel(Model):
         (or a lost rank: ``DistributedError``)."""
         if self.rank == 0:
             raise InferenceError(f"rank 0 drives the {self.mode} group; follow() is for the other ranks")
-        self.cache = ModelCache.empty(self.config)
+        self.cache = self.empty_cache()
         table = self.handlers()
         while True:
             cmd = self.transport.recv_command(self.rank - 1)
@@ -387,7 +406,7 @@ class DistributedModel(Model):
         """A follower's cache for a command at ``cmd.p0`` (p0 = 0: rank 0 fed an empty cache, start
         over); a cache at another position is out of step with rank 0, a ``DistributedError``."""
         if cmd.p0 == 0:
-            self.cache = ModelCache.empty(self.config)
+            self.cache = self.empty_cache()
         if self.cache.n_tokens != cmd.p0:
             raise DistributedError(f"rank {self.rank}: out of step with rank 0 (it feeds position {cmd.p0}, "
                                    f"this rank holds {self.cache.n_tokens} tokens)")

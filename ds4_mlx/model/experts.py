@@ -118,10 +118,15 @@ class ExpertCache:
     CPU backend, dequantizing the selected experts costs far more than the matmuls, and a decode step of a
     small model revisits the same experts constantly. The budget is in bytes of float32 weights; 0
     disables it. Default: ``DS4_MLX_EXPERT_CACHE_MB`` (MiB), else 1024 MiB.
+
+    A pipeline rank (``model/pipeline.py``) runs only its own layers, so it only ever fills the cache
+    with their experts; with the default budget it also gets only its share of it (``scale_default``).
     """
 
-    def __init__(self, limit_bytes: int):
+    def __init__(self, limit_bytes: int, explicit: bool = True):
         self.limit_bytes = int(limit_bytes)
+        self.default_bytes = self.limit_bytes
+        self.explicit = explicit  # False: the default budget, which ``scale_default`` may scale
         self.nbytes = 0
         self.hits = 0
         self.misses = 0
@@ -151,6 +156,24 @@ class ExpertCache:
 
     def set_limit(self, limit_bytes: int) -> None:
         self.limit_bytes = int(limit_bytes)
+        self.explicit = True
+        self._shrink()
+
+    def scale_default(self, share: float) -> None:
+        """A process that holds ``share`` [0, 1] of the model's routed-expert bytes (a pipeline rank):
+        the default budget becomes that share of itself; an explicit budget (the environment variable,
+        ``set_limit``) is kept. Why: the one-process cache is one LRU over every layer's experts, so
+        each layer gets about budget / layers of it; a rank with that share of the layers and of the
+        budget keeps the same per-layer budget (the same hit rate), and the ranks together hold what
+        one process holds, instead of the default budget each (2 GiB on two ranks)."""
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"a share of the routed experts must be in [0, 1], got {share!r}")
+        if self.explicit:
+            return
+        self.limit_bytes = int(self.default_bytes * share)
+        self._shrink()
+
+    def _shrink(self) -> None:
         while self._items and self.nbytes > self.limit_bytes:
             _, dropped = self._items.popitem(last=False)
             self.nbytes -= dropped.nbytes
@@ -162,7 +185,23 @@ class ExpertCache:
         self.misses = 0
 
 
-EXPERT_CACHE = ExpertCache(int(float(os.environ.get("DS4_MLX_EXPERT_CACHE_MB", "1024")) * (1 << 20)))
+EXPERT_CACHE = ExpertCache(int(float(os.environ.get("DS4_MLX_EXPERT_CACHE_MB", "1024")) * (1 << 20)),
+                           explicit="DS4_MLX_EXPERT_CACHE_MB" in os.environ)
+
+
+def routed_share(gguf_file, layers: range) -> float:
+    """The share of the file's routed-expert bytes (``blk.N.ffn_*_exps.*``) in ``layers``; 1.0 when
+    the file has none."""
+    own = total = 0
+    for name in gguf_file.tensors:
+        parts = name.split(".")
+        if len(parts) < 3 or parts[0] != "blk" or not parts[2].endswith("_exps"):
+            continue
+        nbytes = int(gguf_file.tensor(name).nbytes)
+        total += nbytes
+        if parts[1].isdigit() and int(parts[1]) in layers:
+            own += nbytes
+    return own / total if total else 1.0
 
 # Dequantized float32 weights alive at once in one call of the CPU path. A 2048-token prefill chunk
 # selects every expert (256 x 32 MiB = 8 GiB per projection at the real dims) and MLX's lazy graph

@@ -32,6 +32,7 @@ from ds4_mlx.model.cache import LayerCache, ModelCache, capacity_for
 # ``join`` and ``MODES`` are re-exported: they were first defined here, and callers still import them here.
 from ds4_mlx.model.distributed import CHUNK, MODES, STEP, Command, DistributedModel, join  # noqa: F401
 from ds4_mlx.model.distributed import GATHER, SCATTER
+from ds4_mlx.model.experts import EXPERT_CACHE, routed_share
 
 
 # -- the split -----------------------------------------------------------------------------------
@@ -106,6 +107,18 @@ class PipelineModel(DistributedModel):
         super().__init__(*args, group=group, **kwargs)
         self.layers = layers
         self._origin: ModelCache | None = None  # rank 0: the caller's cache of the chunk in flight
+        if self.source is not None:  # the default expert-LRU budget: this rank's share (its docstring)
+            EXPERT_CACHE.scale_default(routed_share(self.source, layers))
+
+    @property
+    def sent(self) -> dict[str, dict[str, int]]:
+        """Bytes and messages this rank sent, by phase (``Transport.sent``): everything a pipeline
+        exchanges is point-to-point, so this is all of its traffic."""
+        return self.transport.sent
+
+    def empty_cache(self) -> ModelCache:
+        """An empty cache of this rank's layers only (the other entries None)."""
+        return ModelCache.empty(self.config, self.layers)
 
     # -- rank 0 -------------------------------------------------------------------------------
 
@@ -181,8 +194,8 @@ class PipelineModel(DistributedModel):
         self.command(Command(SCATTER, n, arg=tag.id))
         self._send_layers([(il, cache.layers[il].state) for il in range(self.config.n_layer)
                            if il not in self.layers], 1)
-        out = ModelCache([lc if il in self.layers else _empty_layer(self.config, il, cache.capacity, n)
-                          for il, lc in enumerate(cache.layers)], cache.capacity, tag)
+        out = ModelCache([lc if il in self.layers else None for il, lc in enumerate(cache.layers)],
+                         cache.capacity, tag)
         return out
 
     def _send_layers(self, layers: list[tuple[int, list[mx.array]]], dst: int) -> None:
@@ -250,7 +263,7 @@ class PipelineModel(DistributedModel):
         n, cfg = cmd.p0, self.config
         cap = capacity_for(max(n - 1, 0))
         self.kept[cmd.arg] = ModelCache([LayerCache.from_state(cfg, il, n, own[il], cap) if il in own
-                                         else _empty_layer(cfg, il, cap, n) for il in range(cfg.n_layer)], cap)
+                                         else None for il in range(cfg.n_layer)], cap)
 
     def follow_chunk(self, cmd: Command) -> None:
         H = self._recv_h(len(cmd.tokens))
@@ -268,9 +281,3 @@ class PipelineModel(DistributedModel):
         mx.eval(*([] if H is None else [H]), *cache.arrays())
         self._deliver(H, out)
 
-
-def _empty_layer(cfg, il: int, capacity: int, n: int) -> LayerCache:
-    """A layer another rank holds, in a cache after ``n`` tokens (what a rank's live cache has there)."""
-    lc = LayerCache.empty(cfg, il, capacity)
-    lc.offset = n
-    return lc

@@ -50,7 +50,7 @@ class Runner:
         self.compiled = want and model.ops.compilable
         # The live cache after ``n_tokens`` (take ``copy()`` for anything that must outlive the next
         # feed: decode steps update it in place).
-        self.state = ModelCache.empty(cfg)
+        self.state = model.empty_cache()  # a pipeline rank: its own layers only
         self.tokens: list[int] = []
         self._logits: mx.array | None = None
         # A compiled decode step leaves the cache's new arrays lazy, tied to its logits: the caller's

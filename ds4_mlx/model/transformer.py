@@ -104,6 +104,10 @@ class Model:
             self._decoders[compile] = CompiledDecoder(self, compile=compile)
         return self._decoders[compile]
 
+    def empty_cache(self) -> ModelCache:
+        """An empty cache of the layers this model runs (all of them; a pipeline rank: its own)."""
+        return ModelCache.empty(self.config)
+
     def step(self, token: int, cache: ModelCache, *, evaluate: bool = True) -> mx.array:
         """Feed one token through the compiled decode step (DEFAULT numerics); updates ``cache`` in
         place and returns the next-token logits, lazily (``evaluate=False``: the cache's new arrays
