@@ -93,19 +93,19 @@ def resolve_backend(backend: "Backend | str | None") -> Backend:
 # float32 caches built in place
 
 
-def _mlx_buffer(shape: tuple[int, int]) -> tuple[mx.array, np.ndarray]:
-    """A new float32 MLX array and a writable numpy view of its memory.
+def _mlx_buffer(shape: tuple[int, ...], dtype: mx.Dtype = mx.float32) -> tuple[mx.array, np.ndarray]:
+    """A new MLX array (float32 unless told) and a writable numpy view of its memory.
 
     The dense float32 caches are filled through the view, a slab of rows at a time, because
     ``mx.array(numpy)`` copies: building the whole matrix in numpy first held it twice at the peak
     (the real model's 129280x4096 output head: 2 GiB more, +2.5 GiB VmHWM on the 4-layer real-dims
     model). MLX documents that ``np.array(a, copy=False)`` shares the array's memory.
     """
-    a = mx.zeros(shape, dtype=mx.float32)
+    a = mx.zeros(shape, dtype=dtype)
     mx.eval(a)
     view = np.array(a, copy=False)
     if not (view.flags.writeable and view.flags.c_contiguous and view.shape == tuple(shape)):
-        raise RuntimeError(f"MLX did not give a writable contiguous view of a {shape} float32 array")
+        raise RuntimeError(f"MLX did not give a writable contiguous view of a {shape} {dtype} array")
     return a, view
 
 
@@ -312,10 +312,15 @@ class DenseWeight:
         if self._ds4 is None:
             out_dim, n_in = self.shape
             nb = n_in // QK8_0
-            blocks = np.ascontiguousarray(self.raw).reshape(out_dim, nb, 34)
-            wd = np.ascontiguousarray(blocks[:, :, 0:2]).view("<f2").reshape(out_dim, nb).astype(np.float32)
-            wq = blocks[:, :, 2:].view(np.int8).astype(np.float32)  # [out, nb, 32]
-            self._ds4 = (mx.array(np.ascontiguousarray(wq.transpose(1, 2, 0))), mx.array(np.ascontiguousarray(wd.T)))
+            # filled a slab of rows at a time straight into the MLX buffers (``_mlx_buffer``: no
+            # staging copies of the whole matrix, which peaked at 3x the real head's float32 size)
+            wq_arr, wq = _mlx_buffer((nb, QK8_0, out_dim))
+            wd_arr, wd = _mlx_buffer((nb, out_dim))
+            for r0, r1 in _row_slabs(out_dim, n_in):
+                blocks = np.ascontiguousarray(self.raw[r0:r1]).reshape(r1 - r0, nb, 34)
+                wd[:, r0:r1] = np.ascontiguousarray(blocks[:, :, 0:2]).view("<f2").reshape(r1 - r0, nb).T
+                wq[:, :, r0:r1] = blocks[:, :, 2:].view(np.int8).transpose(1, 2, 0)  # exact int8 -> float32
+            self._ds4 = (wq_arr, wd_arr)
         return self._ds4
 
     def _ds4_columns(self, dtype: mx.Dtype) -> mx.array:
@@ -323,8 +328,10 @@ class DenseWeight:
         if self._parent is not None:
             return self._slice(self._parent._ds4_columns(dtype), 1)
         if self._ds4 is None:
-            np_dtype = np.float64 if dtype == mx.float64 else np.float32
-            self._ds4 = mx.array(np.ascontiguousarray(np.asarray(self.raw, dtype=np_dtype).T))
+            out_dim, n_in = self.shape
+            self._ds4, cols = _mlx_buffer((n_in, out_dim), mx.float64 if dtype == mx.float64 else mx.float32)
+            for r0, r1 in _row_slabs(out_dim, n_in):
+                cols[:, r0:r1] = np.asarray(self.raw[r0:r1]).T  # exact f16/f32 -> float32/float64
         return self._ds4
 
     # -- multiplication ---------------------------------------------------------------------------
