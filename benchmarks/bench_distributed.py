@@ -162,26 +162,14 @@ def paper_lines(rows: list[dict]) -> list[str]:
 # -- one worker: a one-process run or one rank ---------------------------------------------------------
 
 
-def _memory() -> dict[str, int]:
-    out = {}
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                key, _, rest = line.partition(":")
-                if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
-                    out[key] = int(rest.split()[0]) * 1024
-    except OSError:
-        pass
-    return out
+def _memory() -> tuple[int, dict[str, int]]:
+    """(peak RSS in bytes, this process's /proc memory fields); imported here so ``--paper`` stays
+    free of MLX."""
+    from bench_util import proc_memory
+    from ds4_mlx.engine.generate import peak_rss_bytes
 
-
-def _peak_rss() -> int:
-    m = _memory()
-    if "VmHWM" in m:
-        return m["VmHWM"]
-    import resource  # macOS: ru_maxrss is in bytes there
-
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    mem = proc_memory()
+    return mem.get("VmHWM") or peak_rss_bytes(), mem
 
 
 def worker(args) -> int:
@@ -227,8 +215,7 @@ def worker(args) -> int:
     from ds4_mlx.model.experts import EXPERT_CACHE
 
     out["expert_cache"] = {"limit_bytes": EXPERT_CACHE.limit_bytes, "bytes": EXPERT_CACHE.nbytes}
-    out["peak_rss_bytes"] = _peak_rss()
-    out["memory_at_end"] = _memory()
+    out["peak_rss_bytes"], out["memory_at_end"] = _memory()
     name = "one.json" if mode is None else f"rank{rank}.json"
     (Path(args.worker) / name).write_text(json.dumps(out))
     return 0

@@ -64,25 +64,11 @@ from ds4_mlx.model.device_experts import gpu_backend
 from ds4_mlx.model.experts import ExpertWeights
 from ds4_mlx.synth import benchmark_model_path
 
+from bench_util import proc_memory as memory
 from host_traffic import HostTraffic
 
 GIB = float(1 << 30)
 MIB = float(1 << 20)
-
-
-def memory() -> dict[str, int]:
-    """VmHWM / VmRSS (and its split into RssAnon / RssFile: file = pages of the mmapped GGUF) of this
-    process in bytes (Linux); empty elsewhere."""
-    out = {}
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                key, _, rest = line.partition(":")
-                if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
-                    out[key] = int(rest.split()[0]) * 1024
-    except OSError:
-        pass
-    return out
 
 
 def mem_line(label: str) -> dict[str, int]:

@@ -18,6 +18,21 @@ from ds4_mlx.formats.quants import quantize_q8_0
 BENCH_DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "bench-data"
 
 
+def proc_memory() -> dict[str, int]:
+    """VmHWM / VmRSS (and its split into RssAnon / RssFile: file = pages of the mmapped GGUF) of this
+    process in bytes (Linux); empty elsewhere."""
+    out = {}
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                key, _, rest = line.partition(":")
+                if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
+                    out[key] = int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
 def read_text(path: Path) -> str:
     """A UTF-8 text file, decompressed when its name ends in ``.xz``."""
     if path.suffix == ".xz":

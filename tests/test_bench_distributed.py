@@ -41,7 +41,8 @@ def test_the_json_fields(run):
 
 def test_the_counted_traffic_is_the_protocol(run, tiny_model_path):
     """Bytes the transport counted = the messages of model/pipeline.py: a 5-int64 header, the token
-    ids and H [n, n_hc, n_embd] float32 down the ranks, a dtype code and the logits back."""
+    ids and H [n, n_hc, n_embd] float32 (after its dtype code) down the ranks, a dtype code and the
+    logits back."""
     from ds4_mlx.formats.layout import load_model_file
 
     f, cfg, _ = load_model_file(tiny_model_path)
@@ -49,8 +50,8 @@ def test_the_counted_traffic_is_the_protocol(run, tiny_model_path):
     h_row = cfg.n_hc * cfg.n_embd * 4
     logits = 8 + cfg.n_vocab * 4
     p = run["prompt_tokens"]
-    assert run["bytes_per_decode_token"] == 40 + 8 + h_row + logits
-    assert run["bytes_per_prefill_token"] == (40 + 8 * p + h_row * p + logits) / p
+    assert run["bytes_per_decode_token"] == 40 + 8 + 8 + h_row + logits
+    assert run["bytes_per_prefill_token"] == (40 + 8 * p + 8 + h_row * p + logits) / p
 
 
 def test_each_rank_gets_its_share_of_the_default_expert_budget(run, tiny_model_path):
