@@ -1,9 +1,10 @@
-"""Frontends and sessions across pipeline ranks (``--distributed pipeline``) on two loopback ranks.
+"""Frontends and sessions across ranks (``--distributed pipeline``; the snapshot, payload and disk KV
+tests also ``--distributed experts``) on two loopback ranks.
 
 The ranks are started by hand with a hostfile (``test_distributed._hostfile``), as the failure tests
 there do, so that rank 0 alone gets the test's stdin and port and the other rank's exit is observed
-on its own. Texts are compared in ``ds4-cpu`` numerics, where a pipeline is bit-identical to one
-process.
+on its own. Texts are compared in ``ds4-cpu`` numerics, where both modes are bit-identical to
+one process.
 """
 
 from __future__ import annotations
@@ -228,9 +229,10 @@ print(json.dumps({"rank": 0, "out": out, "kept": sorted(getattr(m, "_kept", []))
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["pipeline", "experts"])
 def test_payloads_are_one_process_files_and_load_on_every_rank(tiny_model_path, tmp_path, mode):
-    """A payload saved on two ranks is byte for byte the file one process saves (each rank's
-    layers gathered to rank 0), and a file one process saved loads on two ranks (each takes its
-    layers) and continues with bit-identical logits."""
+    """A payload saved on two ranks is byte for byte the file one process saves (pipeline: each
+    rank's layers gathered to rank 0; experts: rank 0's own cache, already whole), and a file one
+    process saved loads on two ranks (each keeps its layers: all of them in experts mode) and
+    continues with bit-identical logits."""
     from tests.test_distributed import LAUNCH, _run
 
     script = tmp_path / "payload.py"
@@ -273,7 +275,7 @@ def test_disk_kv_cache_hits_on_every_rank_like_one_process(tiny_model_path, tmp_
     err = generate(tmp_path / "one.json", one_kv, 1)
     assert "kv cache stored" in err, err
     ref = (tmp_path / "one.json").read_bytes()
-    err = generate(tmp_path / "two-a.json", two_kv, 2)  # cold: stores (rank 0 gathers rank 1's layers)
+    err = generate(tmp_path / "two-a.json", two_kv, 2)  # cold: stores (a pipeline gathers rank 1's layers)
     assert "kv cache stored" in err and "kv cache hit" not in err, err
     assert (tmp_path / "two-a.json").read_bytes() == ref
     err = generate(tmp_path / "two-b.json", two_kv, 2)  # the same prompt again: every rank restores

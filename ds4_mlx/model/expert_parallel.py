@@ -12,6 +12,11 @@ are exact zeros), one ``mx.distributed.all_sum`` per layer of the routed outputs
 sums them and adds its own (identical) shared expert, so the ranks stay in step with no other message.
 Only rank 0 computes the head's logits.
 
+Sessions: each rank keeps its own copy of every state rank 0 keeps (snapshots, checkpoints, other
+sessions: ``DistributedModel.feeding`` and the STATE command, as for a pipeline). A payload or disk
+KV entry is saved from rank 0's cache alone (it is the whole state) and, loaded, is sent whole to
+every rank (SCATTER), so the files are the ones one process writes and load on any split.
+
 Why this split: a decode step is bound by reading the routed experts' bytes; here each machine reads
 only its own experts' bytes for the token, so every machine's memory bandwidth works on every token
 (a pipeline leaves all but one rank idle per token). The price: the dense weights (attention, shared
