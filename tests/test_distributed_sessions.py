@@ -1,9 +1,10 @@
-"""Frontends and sessions across pipeline ranks (``--distributed pipeline``) on two loopback ranks.
+"""Frontends and sessions across ranks (``--distributed pipeline``; the snapshot, payload and disk KV
+tests also ``--distributed experts``) on two loopback ranks.
 
 The ranks are started by hand with a hostfile (``test_distributed._hostfile``), as the failure tests
 there do, so that rank 0 alone gets the test's stdin and port and the other rank's exit is observed
-on its own. Texts are compared in ``ds4-cpu`` numerics, where a pipeline is bit-identical to one
-process.
+on its own. Texts are compared in ``ds4-cpu`` numerics, where both modes are bit-identical to
+one process.
 """
 
 from __future__ import annotations
@@ -174,7 +175,8 @@ print(json.dumps({"rank": 0, "out": out, "kept": sorted(getattr(m, "_kept", []))
 """
 
 
-def test_snapshots_restore_on_every_rank_like_one_process(tiny_model_path, tmp_path):
+@pytest.mark.parametrize("mode", ["pipeline", "experts"])
+def test_snapshots_restore_on_every_rank_like_one_process(tiny_model_path, tmp_path, mode):
     """Snapshot, generate on, restore, a divergence that restores an automatic checkpoint, and two
     sessions fed in turns: every logit is bit-identical to one process, and once rank 0 has let
     go of its snapshots the other rank keeps exactly the states rank 0 still holds (none here)."""
@@ -186,7 +188,7 @@ def test_snapshots_restore_on_every_rank_like_one_process(tiny_model_path, tmp_p
     assert one.returncode == 0, one.stderr
     ref = json.loads(one.stdout.strip().splitlines()[-1])
     r = _run(LAUNCH + ["-n", "2", "--backend", "ring", "--", sys.executable, str(script), str(tiny_model_path),
-                       "pipeline"])
+                       mode])
     got = {d["rank"]: d for d in (json.loads(line) for line in r.stdout.splitlines() if line.startswith("{"))}
     assert set(got) == {0, 1}, r.stdout + r.stderr
     assert len(ref["out"]) == 13 and got[0]["out"] == ref["out"]
@@ -225,10 +227,12 @@ print(json.dumps({"rank": 0, "out": out, "kept": sorted(getattr(m, "_kept", []))
 
 
 @pytest.mark.slow
-def test_payloads_are_one_process_files_and_load_on_every_rank(tiny_model_path, tmp_path):
-    """A payload saved on two ranks is byte for byte the file one process saves (each rank's
-    layers gathered to rank 0), and a file one process saved loads on two ranks (each takes its
-    layers) and continues with bit-identical logits."""
+@pytest.mark.parametrize("mode", ["pipeline", "experts"])
+def test_payloads_are_one_process_files_and_load_on_every_rank(tiny_model_path, tmp_path, mode):
+    """A payload saved on two ranks is byte for byte the file one process saves (pipeline: each
+    rank's layers gathered to rank 0; experts: rank 0's own cache, already whole), and a file one
+    process saved loads on two ranks (each keeps its layers: all of them in experts mode) and
+    continues with bit-identical logits."""
     from tests.test_distributed import LAUNCH, _run
 
     script = tmp_path / "payload.py"
@@ -238,7 +242,7 @@ def test_payloads_are_one_process_files_and_load_on_every_rank(tiny_model_path, 
     assert one.returncode == 0, one.stderr
     ref = json.loads(one.stdout.strip().splitlines()[-1])
     r = _run(LAUNCH + ["-n", "2", "--backend", "ring", "--", sys.executable, str(script), str(tiny_model_path),
-                       "pipeline", str(two_file), str(one_file)], timeout=600)
+                       mode, str(two_file), str(one_file)], timeout=600)
     got = {d["rank"]: d for d in (json.loads(line) for line in r.stdout.splitlines() if line.startswith("{"))}
     assert set(got) == {0, 1}, r.stdout + r.stderr
     assert two_file.read_bytes() == one_file.read_bytes()
@@ -247,7 +251,8 @@ def test_payloads_are_one_process_files_and_load_on_every_rank(tiny_model_path, 
 
 
 @pytest.mark.slow
-def test_disk_kv_cache_hits_on_every_rank_like_one_process(tiny_model_path, tmp_path):
+@pytest.mark.parametrize("mode", ["pipeline", "experts"])
+def test_disk_kv_cache_hits_on_every_rank_like_one_process(tiny_model_path, tmp_path, mode):
     """``generate --kv-disk-dir`` on two ranks: a second run of the prompt hits the entry the first
     stored, an entry one process stored hits as well, and both give one process's logprobs, to
     the bit."""
@@ -260,7 +265,7 @@ def test_disk_kv_cache_hits_on_every_rank_like_one_process(tiny_model_path, tmp_
         cmd = CLI + _generate_args(tiny_model_path, prompt, dump, "ds4-cpu") + [
             "--kv-disk-dir", str(kv), "--kv-cache-min-tokens", "32", "--prefill-chunk", "32"]
         if ranks > 1:
-            cmd = LAUNCH + ["-n", str(ranks), "--backend", "ring", "--"] + cmd + ["--distributed", "pipeline"]
+            cmd = LAUNCH + ["-n", str(ranks), "--backend", "ring", "--"] + cmd + ["--distributed", mode]
         r = _run(cmd, timeout=600)
         assert dump.exists(), r.stdout + r.stderr
         assert "Traceback" not in r.stderr, r.stderr
@@ -270,7 +275,7 @@ def test_disk_kv_cache_hits_on_every_rank_like_one_process(tiny_model_path, tmp_
     err = generate(tmp_path / "one.json", one_kv, 1)
     assert "kv cache stored" in err, err
     ref = (tmp_path / "one.json").read_bytes()
-    err = generate(tmp_path / "two-a.json", two_kv, 2)  # cold: stores (rank 0 gathers rank 1's layers)
+    err = generate(tmp_path / "two-a.json", two_kv, 2)  # cold: stores (a pipeline gathers rank 1's layers)
     assert "kv cache stored" in err and "kv cache hit" not in err, err
     assert (tmp_path / "two-a.json").read_bytes() == ref
     err = generate(tmp_path / "two-b.json", two_kv, 2)  # the same prompt again: every rank restores

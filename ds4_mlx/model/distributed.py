@@ -54,7 +54,7 @@ import numpy as np
 
 from ds4_mlx.errors import DistributedError, InferenceError
 from ds4_mlx.model import join_watchdog
-from ds4_mlx.model.cache import ModelCache
+from ds4_mlx.model.cache import LayerCache, ModelCache, capacity_for
 from ds4_mlx.model.transformer import Model
 
 MODES = ("pipeline", "experts")
@@ -365,11 +365,73 @@ class DistributedModel(Model):
         except DistributedError:
             pass  # the others are gone already: nothing to stop
 
+    # -- whole states (payloads, the disk KV cache) -----------------------------------------------
+    # Loading a payload, rank 0 sends every other rank the layers whose state it holds (SCATTER:
+    # each rank keeps its own layers and relays those a later rank holds) and they keep them under
+    # a new id, like a snapshot, until rank 0 feeds it. A mode says which layers a rank holds
+    # (``state_layers``: all of them by default, as in expert parallelism, where every rank holds
+    # the whole state) and which a later rank holds (``later_ranks_hold``). Saving one is the mode's
+    # ``gather_state`` (a pipeline fetches the other ranks' layers; an expert-parallel rank 0
+    # already has them all).
+
+    @property
+    def state_layers(self) -> range:
+        """The layers whose state this rank holds."""
+        return range(self.config.n_layer)
+
+    def later_ranks_hold(self, il: int) -> bool:
+        """Whether a rank after this one holds layer ``il``'s state (so it is relayed on)."""
+        return True
+
+    def scatter_state(self, cache: ModelCache) -> ModelCache:
+        """Rank 0: send the other ranks their layers of ``cache`` (a whole state, e.g. a loaded
+        payload) to keep; returns rank 0's part of it, tagged with the state they keep."""
+        self._driver_only()
+        self.check_open()
+        n = cache.n_tokens
+        if n == 0:
+            return cache
+        tag = self.new_kept_tag()
+        self.command(Command(SCATTER, n, arg=tag.id))
+        self._send_layers([(il, cache.layers[il].state) for il in range(self.config.n_layer)
+                           if self.later_ranks_hold(il)], 1)
+        mine = self.state_layers
+        return ModelCache([lc if il in mine else None
+                           for il, lc in enumerate(cache.layers)], cache.capacity, tag)
+
+    def _send_layers(self, layers: list[tuple[int, list[mx.array]]], dst: int) -> None:
+        t = self.transport
+        t.send([mx.array(np.array([len(layers)], dtype=np.int64))], dst)
+        for il, arrays in layers:
+            t.send([mx.array(np.array([il, len(arrays)], dtype=np.int64))], dst)
+            for a in arrays:
+                t.send([mx.array(np.array(a.shape, dtype=np.int64))], dst)
+                if a.size:  # an empty array (no compressed row yet) is its shape alone
+                    t.send_array(a, dst)
+
+    def _recv_layers(self, src: int) -> list[tuple[int, list[mx.array]]]:
+        t, n_layer = self.transport, self.config.n_layer
+        count = int(np.array(t.recv((1,), mx.int64, src))[0])
+        if not 0 <= count <= n_layer:
+            raise DistributedError(f"rank {self.rank}: rank {src} sent the state of {count} layers")
+        out = []
+        for _ in range(count):
+            il, k = (int(v) for v in np.array(t.recv((2,), mx.int64, src)))
+            if not (0 <= il < n_layer and 1 <= k <= 7):
+                raise DistributedError(f"rank {self.rank}: rank {src} sent a bad layer state record ({il}, {k})")
+            arrays = []
+            for _ in range(k):
+                shape = tuple(int(v) for v in np.array(t.recv((2,), mx.int64, src)))
+                arrays.append(t.recv_array(shape, src) if shape[0] * shape[1] else mx.zeros(shape, mx.float32))
+            out.append((il, arrays))
+        return out
+
     # -- the other ranks ----------------------------------------------------------------------
 
     def handlers(self) -> dict[int, Callable[[Command], None]]:
         """op -> what a follower does for it (after relaying it). Modes extend this dict."""
-        return {CHUNK: self.follow_chunk, STEP: self.follow_step, STATE: self.follow_state}
+        return {CHUNK: self.follow_chunk, STEP: self.follow_step, STATE: self.follow_state,
+                SCATTER: self.follow_scatter}
 
     def follow_state(self, cmd: Command) -> None:
         """Keep the live cache under ``p0``, make the one kept under ``arg`` live, drop ``tokens``."""
@@ -383,6 +445,21 @@ class DistributedModel(Model):
             self.cache = kept.copy()
         for i in cmd.tokens:
             self.kept.pop(int(i), None)
+
+    def follow_scatter(self, cmd: Command) -> None:
+        """Keep the state rank 0 sends under ``arg`` (this rank's layers; the later ranks' relayed on)."""
+        parts = self._recv_layers(self.rank - 1)
+        if not self.is_last:
+            self._send_layers([(il, a) for il, a in parts if self.later_ranks_hold(il)], self.rank + 1)
+        mine = self.state_layers
+        own = {il: a for il, a in parts if il in mine}
+        if sorted(own) != list(mine):
+            raise DistributedError(f"rank {self.rank}: rank 0 sent layers {sorted(own)} of a state, "
+                                   f"this rank holds layers {mine.start}..{mine.stop - 1}")
+        n, cfg = cmd.p0, self.config
+        cap = capacity_for(max(n - 1, 0))
+        self.kept[cmd.arg] = ModelCache([LayerCache.from_state(cfg, il, n, own[il], cap) if il in own
+                                         else None for il in range(cfg.n_layer)], cap)
 
     def follow(self) -> None:
         """Ranks > 0: receive rank 0's commands, relay each to the next rank, run it, until STOP
@@ -419,3 +496,4 @@ class DistributedModel(Model):
 
     def follow_step(self, cmd: Command) -> None:
         raise NotImplementedError
+

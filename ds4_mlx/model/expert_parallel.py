@@ -12,6 +12,11 @@ are exact zeros), one ``mx.distributed.all_sum`` per layer of the routed outputs
 sums them and adds its own (identical) shared expert, so the ranks stay in step with no other message.
 Only rank 0 computes the head's logits.
 
+Sessions: each rank keeps its own copy of every state rank 0 keeps (snapshots, checkpoints, other
+sessions: ``DistributedModel.feeding`` and the STATE command, as for a pipeline). A payload or disk
+KV entry is saved from rank 0's cache alone (it is the whole state) and, loaded, is sent whole to
+every rank (SCATTER), so the files are the ones one process writes and load on any split.
+
 Why this split: a decode step is bound by reading the routed experts' bytes; here each machine reads
 only its own experts' bytes for the token, so every machine's memory bandwidth works on every token
 (a pipeline leaves all but one rank idle per token). The price: the dense weights (attention, shared
@@ -178,9 +183,15 @@ class ExpertParallelModel(DistributedModel):
                       want_logits: bool = True) -> tuple[mx.array | None, ModelCache]:
         self._driver_only()
         self._claim(cache)
+        # The command goes first (every rank joins each layer's all_sum), so the cache it feeds is a
+        # copy made here, tagged by ``feeding`` with the state it becomes: calling feeding on the
+        # caller's own cache would make the old cache look like the new state. ``Model.forward_chunk``
+        # copies ``work`` again (cheap: buffers are shared) and the result carries work's tag.
+        work = cache.copy()
+        self.feeding(work, origin=cache)
         self.command(Command(CHUNK, cache.n_tokens, np.asarray(tokens, dtype=np.int64).reshape(-1), want_logits))
         with self.transport.collective():
-            logits, new = super().forward_chunk(tokens, cache, want_logits)
+            logits, new = super().forward_chunk(tokens, work, want_logits)
         self.mirrored(new)
         return logits, new
 
@@ -188,6 +199,7 @@ class ExpertParallelModel(DistributedModel):
         # ``evaluate`` is accepted for the Model interface; every layer is evaluated here anyway
         self._driver_only()
         self._claim(cache)
+        self.feeding(cache)  # the step runs in place: ``cache`` is the state being fed
         self.command(Command(STEP, cache.n_tokens, np.array([token], dtype=np.int64), True))
         H = self._decode(int(token), cache)
         self.mirrored(cache)
@@ -207,6 +219,18 @@ class ExpertParallelModel(DistributedModel):
                                    head=False, evaluate=False)
             mx.eval(H, *cache.arrays())
         return H
+
+    # -- whole states (payloads, the disk KV cache) -----------------------------------------------
+    # Every rank holds every layer's state, so saving needs nothing from the other ranks; loading
+    # sends each of them the whole state (``DistributedModel.scatter_state``: ``state_layers`` and
+    # ``later_ranks_hold`` keep their defaults, all layers), kept under an id like a snapshot.
+
+    def gather_state(self, cache: ModelCache) -> ModelCache:
+        """Rank 0: ``cache`` itself. Rank 0 runs the whole forward pass on its own full cache (only
+        the experts are split, and their outputs are summed onto every rank), so its cache is the
+        complete state: nothing is transferred."""
+        self._driver_only()
+        return cache
 
     # -- the other ranks ----------------------------------------------------------------------
 

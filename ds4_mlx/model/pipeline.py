@@ -28,7 +28,7 @@ import mlx.core as mx
 import numpy as np
 
 from ds4_mlx.errors import DistributedError
-from ds4_mlx.model.cache import LayerCache, ModelCache, capacity_for
+from ds4_mlx.model.cache import LayerCache, ModelCache
 # ``join`` and ``MODES`` are re-exported: they were first defined here, and callers still import them here.
 from ds4_mlx.model.distributed import CHUNK, MODES, STEP, Command, DistributedModel, join  # noqa: F401
 from ds4_mlx.model.distributed import GATHER, SCATTER
@@ -182,48 +182,12 @@ class PipelineModel(DistributedModel):
             layers[il] = LayerCache.from_state(self.config, il, n, arrays, cache.capacity)
         return ModelCache(layers, cache.capacity)
 
-    def scatter_state(self, cache: ModelCache) -> ModelCache:
-        """Rank 0: send the other ranks their layers of ``cache`` (a whole state, e.g. a loaded
-        payload) to keep; returns rank 0's part of it, tagged with the state they keep."""
-        self._driver_only()
-        self.check_open()
-        n = cache.n_tokens
-        if n == 0:
-            return cache
-        tag = self.new_kept_tag()
-        self.command(Command(SCATTER, n, arg=tag.id))
-        self._send_layers([(il, cache.layers[il].state) for il in range(self.config.n_layer)
-                           if il not in self.layers], 1)
-        out = ModelCache([lc if il in self.layers else None for il, lc in enumerate(cache.layers)],
-                         cache.capacity, tag)
-        return out
+    def later_ranks_hold(self, il: int) -> bool:
+        return il >= self.layers.stop  # the ranks after this one hold the layers after its range
 
-    def _send_layers(self, layers: list[tuple[int, list[mx.array]]], dst: int) -> None:
-        t = self.transport
-        t.send([mx.array(np.array([len(layers)], dtype=np.int64))], dst)
-        for il, arrays in layers:
-            t.send([mx.array(np.array([il, len(arrays)], dtype=np.int64))], dst)
-            for a in arrays:
-                t.send([mx.array(np.array(a.shape, dtype=np.int64))], dst)
-                if a.size:  # an empty array (no compressed row yet) is its shape alone
-                    t.send_array(a, dst)
-
-    def _recv_layers(self, src: int) -> list[tuple[int, list[mx.array]]]:
-        t, n_layer = self.transport, self.config.n_layer
-        count = int(np.array(t.recv((1,), mx.int64, src))[0])
-        if not 0 <= count <= n_layer:
-            raise DistributedError(f"rank {self.rank}: rank {src} sent the state of {count} layers")
-        out = []
-        for _ in range(count):
-            il, k = (int(v) for v in np.array(t.recv((2,), mx.int64, src)))
-            if not (0 <= il < n_layer and 1 <= k <= 7):
-                raise DistributedError(f"rank {self.rank}: rank {src} sent a bad layer state record ({il}, {k})")
-            arrays = []
-            for _ in range(k):
-                shape = tuple(int(v) for v in np.array(t.recv((2,), mx.int64, src)))
-                arrays.append(t.recv_array(shape, src) if shape[0] * shape[1] else mx.zeros(shape, mx.float32))
-            out.append((il, arrays))
-        return out
+    @property
+    def state_layers(self) -> range:
+        return self.layers
 
     # -- the other ranks ----------------------------------------------------------------------
     # The command came from rank - 1 (and was relayed on); H follows it on the same link, and this
@@ -251,19 +215,6 @@ class PipelineModel(DistributedModel):
         before = self._recv_layers(self.rank - 1) if self.rank > 1 else []
         own = [(il, cache.layers[il].state) for il in self.layers]
         self._send_layers(before + own, 0 if self.is_last else self.rank + 1)
-
-    def follow_scatter(self, cmd: Command) -> None:
-        parts = self._recv_layers(self.rank - 1)
-        if not self.is_last:
-            self._send_layers([(il, a) for il, a in parts if il >= self.layers.stop], self.rank + 1)
-        own = {il: a for il, a in parts if il in self.layers}
-        if sorted(own) != list(self.layers):
-            raise DistributedError(f"rank {self.rank}: rank 0 sent layers {sorted(own)} of a state, "
-                                   f"this rank holds layers {self.layers.start}..{self.layers.stop - 1}")
-        n, cfg = cmd.p0, self.config
-        cap = capacity_for(max(n - 1, 0))
-        self.kept[cmd.arg] = ModelCache([LayerCache.from_state(cfg, il, n, own[il], cap) if il in own
-                                         else None for il in range(cfg.n_layer)], cap)
 
     def follow_chunk(self, cmd: Command) -> None:
         H = self._recv_h(len(cmd.tokens))
