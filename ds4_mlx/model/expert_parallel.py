@@ -46,6 +46,7 @@ from ds4_mlx.errors import DistributedError, LayoutError, NonFiniteError
 from ds4_mlx.model.cache import ModelCache
 from ds4_mlx.model.device_experts import DEVICE_MAX_PAIRS
 from ds4_mlx.model.distributed import CHUNK, STEP, Command, DistributedModel
+from ds4_mlx.model.experts import check_expert_call
 from ds4_mlx.model.transformer import Model
 
 
@@ -130,16 +131,8 @@ class OwnedExperts:
         """The owned pairs only, each as a [1, 1] call row (the grouping by expert inside ``multiply``
         sees the same pairs per expert in the same order as one process), scattered back into zeros."""
         n_expert, out_dim, n_in = self.shape
-        ids_np = np.asarray(ids).astype(np.int64, copy=False)
-        if ids_np.ndim != 2:
-            raise LayoutError(f"tensor {self.name!r}: expert ids must be [T, k], got shape {ids_np.shape}")
+        ids_np = check_expert_call(self.name, self.shape, x, ids)
         T, k = ids_np.shape
-        if x.ndim != 3 or x.shape[0] != T or x.shape[1] not in (1, k) or x.shape[2] != n_in:
-            raise LayoutError(f"tensor {self.name!r}: input shape {tuple(x.shape)} does not fit ids {ids_np.shape} "
-                              f"(expected [{T}, 1 or {k}, {n_in}])")
-        if ids_np.size and (ids_np.min() < 0 or ids_np.max() >= n_expert):
-            raise LayoutError(f"tensor {self.name!r}: expert id outside 0..{n_expert - 1} "
-                              f"(got {int(ids_np.min())}..{int(ids_np.max())})")
         flat_ids = ids_np.reshape(-1)
         pairs = np.flatnonzero((flat_ids >= self.owned.start) & (flat_ids < self.owned.stop))
         if pairs.size == 0:

@@ -210,6 +210,23 @@ DENSE_GROUP_BYTES = int(float(os.environ.get("DS4_MLX_EXPERT_GROUP_MB", "512")) 
 _instance_ids = itertools.count()
 
 
+def check_expert_call(name: str, shape: tuple[int, int, int], x: mx.array, ids) -> np.ndarray:
+    """The ids of a call ``e(x, ids)`` on a ``shape`` = (n_expert, out, in) expert tensor as int64
+    [T, k], after checking x [T, 1|k, in] and every id against the tensor (one-line ``LayoutError``)."""
+    n_expert, _, n_in = shape
+    ids_np = np.asarray(ids).astype(np.int64, copy=False)
+    if ids_np.ndim != 2:
+        raise LayoutError(f"tensor {name!r}: expert ids must be [T, k], got shape {ids_np.shape}")
+    T, k = ids_np.shape
+    if x.ndim != 3 or x.shape[0] != T or x.shape[1] not in (1, k) or x.shape[2] != n_in:
+        raise LayoutError(f"tensor {name!r}: input shape {tuple(x.shape)} does not fit ids {ids_np.shape} "
+                          f"(expected [{T}, 1 or {k}, {n_in}])")
+    if ids_np.size and (ids_np.min() < 0 or ids_np.max() >= n_expert):
+        raise LayoutError(f"tensor {name!r}: expert id outside 0..{n_expert - 1} "
+                          f"(got {int(ids_np.min())}..{int(ids_np.max())})")
+    return ids_np
+
+
 class ExpertWeights:
     """A 3-D routed-expert tensor ``(n_expert, out, in)``, kept as a zero-copy view of the mmap."""
 
@@ -306,16 +323,8 @@ class ExpertWeights:
         """Check the call, group its token-expert pairs by expert and count them; ``multiply(uniq,
         x_rows, slot, rows)`` -> [T*k, out] does the arithmetic."""
         n_expert, out_dim, n_in = self.shape
-        ids_np = np.asarray(ids).astype(np.int64, copy=False)
-        if ids_np.ndim != 2:
-            raise LayoutError(f"tensor {self.name!r}: expert ids must be [T, k], got shape {ids_np.shape}")
+        ids_np = check_expert_call(self.name, self.shape, x, ids)
         T, k = ids_np.shape
-        if x.ndim != 3 or x.shape[0] != T or x.shape[1] not in (1, k) or x.shape[2] != n_in:
-            raise LayoutError(f"tensor {self.name!r}: input shape {tuple(x.shape)} does not fit ids {ids_np.shape} "
-                              f"(expected [{T}, 1 or {k}, {n_in}])")
-        if ids_np.size and (ids_np.min() < 0 or ids_np.max() >= n_expert):
-            raise LayoutError(f"tensor {self.name!r}: expert id outside 0..{n_expert - 1} "
-                              f"(got {int(ids_np.min())}..{int(ids_np.max())})")
         if x.dtype != mx.float32:
             x = x.astype(mx.float32)
         if ids_np.size == 0:
