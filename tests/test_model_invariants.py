@@ -139,9 +139,9 @@ def test_chunk_boundaries_are_absolute(model_default, tokens, monkeypatch):
 
     orig_step = model_default.step
 
-    def spy_step(token, cache):  # a compiled decode step: one token, logits
+    def spy_step(token, cache, **kw):  # a compiled decode step: one token, logits
         calls.append((cache.n_tokens, 1, True))
-        return orig_step(token, cache)
+        return orig_step(token, cache, **kw)
 
     monkeypatch.setattr(model_default, "forward_chunk", spy)
     monkeypatch.setattr(model_default, "step", spy_step)
