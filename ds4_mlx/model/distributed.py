@@ -240,7 +240,6 @@ class DistributedModel(Model):
         self._next_id = 1
         self._kept: set[int] = set()
         self._dead: collections.deque[int] = collections.deque()
-        self._fed: weakref.ref | None = None  # the tag ``feeding`` gave, until ``mirrored``
         self._closed = False
         self.cache: ModelCache | None = None  # a follower's live cache
         self.kept: dict[int, ModelCache] = {}  # a follower's kept states, by rank 0's id
@@ -339,20 +338,10 @@ class DistributedModel(Model):
         cache.tag = StateTag(self._next_id)
         self._next_id += 1
         self._live = weakref.ref(cache.tag)
-        self._fed = self._live  # ``mirrored`` after the command: already tagged
 
     def command(self, cmd: Command) -> None:
         """Rank 0: send ``cmd`` down the chain (rank 1 relays it on)."""
         self.transport.send_command(cmd, 1)
-
-    def mirrored(self, cache: ModelCache) -> None:
-        """Rank 0: the other ranks now hold (their part of) ``cache``. A mode that did not call
-        ``feeding`` before its command still gets live mirroring (no snapshots across ranks)."""
-        fed, self._fed = self._fed, None
-        if fed is None or fed() is not cache.tag:  # a fresh tag: older copies of ``cache`` are stale
-            cache.tag = StateTag(self._next_id)
-            self._next_id += 1
-            self._live = weakref.ref(cache.tag)
 
     def close(self) -> None:
         """Rank 0: tell the other ranks to stop (also run at exit). Safe to call twice."""

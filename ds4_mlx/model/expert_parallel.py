@@ -185,7 +185,6 @@ class ExpertParallelModel(DistributedModel):
         self.command(Command(CHUNK, cache.n_tokens, np.asarray(tokens, dtype=np.int64).reshape(-1), want_logits))
         with self.transport.collective():
             logits, new = super().forward_chunk(tokens, work, want_logits)
-        self.mirrored(new)
         return logits, new
 
     def step(self, token: int, cache: ModelCache, *, evaluate: bool = True) -> mx.array:
@@ -195,7 +194,6 @@ class ExpertParallelModel(DistributedModel):
         self.feeding(cache)  # the step runs in place: ``cache`` is the state being fed
         self.command(Command(STEP, cache.n_tokens, np.array([token], dtype=np.int64), True))
         H = self._decode(int(token), cache)
-        self.mirrored(cache)
         # Lazy, as ``Model.step``'s: a caller that never reads them skips the head. (The compiled
         # decode's head function is the finish function plus this head; eager and compiled give
         # the same bits, ``compiled_decode``.)

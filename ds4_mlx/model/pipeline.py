@@ -142,7 +142,6 @@ class PipelineModel(DistributedModel):
         self.feeding(cache, self._origin)
         self.command(Command(CHUNK, p0, np.asarray(tokens, dtype=np.int64), want_logits))
         self.transport.send_array(H, 1)
-        self.mirrored(cache)
         return self._recv_logits() if want_logits else None
 
     def step(self, token: int, cache: ModelCache, *, evaluate: bool = True) -> mx.array:
@@ -158,7 +157,6 @@ class PipelineModel(DistributedModel):
         self.feeding(cache)
         self.command(Command(STEP, p, np.array([token], dtype=np.int64), True))
         self.transport.send_array(H, 1)
-        self.mirrored(cache)
         return self._recv_logits()
 
     # -- whole states (payloads, the disk KV cache) -----------------------------------------------
