@@ -140,20 +140,30 @@ def test_serve_answers_like_one_process_and_stops_with_rank_0(tiny_model_path, t
 
 # -- snapshots across ranks ------------------------------------------------------------------------
 
-_SNAPSHOT_SCRIPT = """
+# What every rank script starts with: load in ds4-cpu numerics; a follower serves rank 0 and, when it
+# stops, prints which states it still keeps (none: every drop reached it); rank 0 records the sha256 of
+# each set of logits with ``rec``.
+_RANK_PROLOGUE = """
 import hashlib, json, sys
 import numpy as np
 from ds4_mlx.model.loader import load
 from ds4_mlx.engine.session import Session
 
-m = load(sys.argv[1], numerics="ds4-cpu", distributed=sys.argv[2] or None)
-if getattr(m, "rank", 0):
-    m.follow()
-    print(json.dumps({"rank": m.rank, "kept": sorted(m.kept)}), flush=True)
-    sys.exit(0)
+def start(path, mode):
+    m = load(path, numerics="ds4-cpu", distributed=mode or None)
+    if getattr(m, "rank", 0):
+        m.follow()
+        print(json.dumps({"rank": m.rank, "kept": sorted(m.kept)}), flush=True)
+        sys.exit(0)
+    return m
+
 out = []
 def rec(s):
     out.append(hashlib.sha256(s.logits().tobytes()).hexdigest())
+"""
+
+_SNAPSHOT_SCRIPT = _RANK_PROLOGUE + """
+m = start(sys.argv[1], sys.argv[2])
 s = Session(m, ctx=64, chunk=4)
 s.sync([0, 5, 9, 11, 13, 2, 7]); rec(s)
 snap = s.snapshot()
@@ -197,20 +207,9 @@ def test_snapshots_restore_on_every_rank_like_one_process(tiny_model_path, tmp_p
 
 # -- payloads and the disk KV cache across ranks -----------------------------------------------------
 
-_PAYLOAD_SCRIPT = """
-import hashlib, json, sys
-from ds4_mlx.model.loader import load
-from ds4_mlx.engine.session import Session
-
+_PAYLOAD_SCRIPT = _RANK_PROLOGUE + """
 model, mode, save_to, load_from = sys.argv[1:5]
-m = load(model, numerics="ds4-cpu", distributed=mode or None)
-if getattr(m, "rank", 0):
-    m.follow()
-    print(json.dumps({"rank": m.rank, "kept": sorted(m.kept)}), flush=True)
-    sys.exit(0)
-out = []
-def rec(s):
-    out.append(hashlib.sha256(s.logits().tobytes()).hexdigest())
+m = start(model, mode)
 prompt = list(range(100, 237))                  # 137 tokens: rows in every compressor lane (ratio 128 too)
 s = Session(m, ctx=300, chunk=8)
 s.sync(prompt)
