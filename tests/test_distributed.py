@@ -38,8 +38,45 @@ def _env(**extra) -> dict:
     return {k: v for k, v in env.items() if v is not None}  # None: unset
 
 
+def _free_ports(n: int) -> int:
+    """The first of ``n`` consecutive loopback ports free right now."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            first = s.getsockname()[1]
+        if first + n > 65535:
+            continue
+        try:
+            socks = []
+            for p in range(first, first + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+
+
 def _run(cmd: list[str], timeout: float = 300, **extra) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, env=_env(**extra), capture_output=True, text=True, timeout=timeout)
+    """``cmd`` to completion. A launch gets ports of its own (``mlx.launch`` otherwise starts every run
+    at the same port, and two runs at once, say a developer's and CI's, connect into each other's
+    rings and hang), and a run past ``timeout`` is killed with every rank it started (its own
+    session), not only the launcher: an orphaned rank would spin on its sockets for ever."""
+    if cmd[:len(LAUNCH)] == LAUNCH and "--starting-port" not in cmd:
+        n = int(cmd[cmd.index("-n") + 1]) if "-n" in cmd else 1
+        cmd = LAUNCH + ["--starting-port", str(_free_ports(n))] + cmd[len(LAUNCH):]
+    proc = subprocess.Popen(cmd, env=_env(**extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def _hostfile(tmp_path: Path, n: int = 2) -> Path:
@@ -266,24 +303,87 @@ def test_a_killed_rank_0_ends_the_other_rank(tiny_model_path, tmp_path, mode):
         "ds4-mlx generate: error: rank 1: lost the connection to the other ranks"), err
 
 
-def test_more_ranks_than_layers_is_one_line_on_every_rank(small_model_path, tmp_path):
-    """The 4-layer small model on 5 ranks, started by hand: under ``mlx.launch`` the first rank to
-    exit has the launcher SIGTERM the others, which may not have printed yet."""
-    hosts = _hostfile(tmp_path, 5)
-    cmd = CLI + ["generate", "-m", str(small_model_path), "-p", "hi", "--distributed", "pipeline"]
-    procs = [subprocess.Popen(cmd, env=_env(MLX_HOSTFILE=str(hosts), MLX_RANK=str(rank)), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for rank in range(5)]
+def _by_hand(cmds: list[list[str]], tmp_path: Path, timeout: float = 300, **extra) -> list[tuple[int, str, str]]:
+    """One process per rank (``cmds[rank]``) joined through a hostfile, each in its own session and
+    killed with its children past ``timeout``: (exit status, stdout, stderr) per rank."""
+    hosts = _hostfile(tmp_path, len(cmds))
+    procs = [subprocess.Popen(cmd, env=_env(MLX_HOSTFILE=str(hosts), MLX_RANK=str(rank), **extra),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+             for rank, cmd in enumerate(cmds)]
     try:
-        results = [p.communicate(timeout=300) for p in procs]
+        outs = [p.communicate(timeout=timeout) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
-                p.kill()
+                os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
-    for p, (out, err) in zip(procs, results):
-        assert p.returncode == 2 and out == "", (p.returncode, out, err)
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+
+
+def test_more_ranks_than_layers_is_one_line_on_every_rank(small_model_path, tmp_path):
+    """The 4-layer small model on 5 ranks, started by hand: under ``mlx.launch`` the first rank to
+    exit has the launcher SIGTERM the others, which may not have printed yet."""
+    cmd = CLI + ["generate", "-m", str(small_model_path), "-p", "hi", "--distributed", "pipeline"]
+    for code, out, err in _by_hand([cmd] * 5, tmp_path):
+        assert code == 2 and out == "", (code, out, err)
         assert err.strip().splitlines() == ["ds4-mlx generate: error: 5 ranks but the model has only 4 layers: "
                                             "a pipeline needs at least one layer per rank"], err
+
+
+@pytest.mark.parametrize("what,rank1,line", [
+    ("numerics", ["--numerics", "ds4-cpu"], "numerics (this rank: {numerics})"),
+    ("mode", ["--distributed", "experts"], "mode (this rank: --distributed {mode})"),
+    ("model", ["-m", "SMALL"], "model file (this rank: {model}"),
+])
+def test_ranks_started_differently_are_one_line_on_every_rank(tiny_model_path, small_model_path, tmp_path,
+                                                              what, rank1, line):
+    """Rank 1 runs another numerics, mode or model than rank 0: every rank names the difference
+    instead of computing a wrong answer (numerics: silently different bits) or hanging (the model:
+    the ranks' splits disagree)."""
+    base = CLI + ["generate", "-m", str(tiny_model_path), "-p", "hi", "-n", "2", "--distributed", "pipeline",
+                  "--numerics", "default"]
+    other = base + [str(small_model_path) if a == "SMALL" else a for a in rank1]
+    results = _by_hand([base, other], tmp_path, timeout=120)
+    for rank, (code, out, err) in enumerate(results):
+        mine = dict(numerics="default" if rank == 0 else "ds4-cpu", mode="pipeline" if rank == 0 else "experts",
+                    model="tiny.gguf" if rank == 0 else "small.gguf")
+        assert code == 2 and out == "", (rank, code, out, err)
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(
+            f"ds4-mlx generate: error: rank {rank}: rank {1 - rank} runs with a different "
+            + line.format(**mine)), (rank, err)
+
+
+def test_a_rank_that_joins_but_never_answers_ends_the_run(tiny_model_path, tmp_path):
+    """Rank 1 is some other program that joins the ring and then says nothing (what a stranger
+    connected to our ports looks like): rank 0 must not wait for it for ever."""
+    rank0 = CLI + ["generate", "-m", str(tiny_model_path), "-p", "hi", "-n", "2", "--distributed", "pipeline"]
+    mute = [sys.executable, "-c", "import time, mlx.core as mx; mx.distributed.init(backend='ring'); time.sleep(40)"]
+    # without a bound rank 0 waits past the mute rank's exit (its first reply never comes): killed at 90 s
+    (code, out, err), _ = _by_hand([rank0, mute], tmp_path, timeout=90, DS4_MLX_DIST_TIMEOUT="15")
+    assert code != 0 and out == ""
+    assert err.strip().splitlines() == [
+        "ds4-mlx: error: rank 0: the other ranks did not join within 15 s "
+        "(is every host of the hostfile running the same command?)"], err
+
+
+def test_fingerprint_names_the_content(tiny_model_path, tmp_path):
+    from ds4_mlx.formats.gguf import GGUFFile
+
+    data = tiny_model_path.read_bytes()
+    same, other = tmp_path / "same.gguf", tmp_path / "other.gguf"
+    same.write_bytes(data)
+    f = GGUFFile(tiny_model_path)
+    # a byte inside the last sampled window of the tensor data changed (same header, same size)
+    changed = bytearray(data)
+    changed[len(data) - 100] ^= 0xFF
+    other.write_bytes(bytes(changed))
+    try:
+        prints = [GGUFFile(p).fingerprint() for p in (same, other)]
+        assert f.fingerprint() == prints[0] != prints[1]
+        assert len(prints[0]) == 16 and int(prints[0], 16) >= 0
+    finally:
+        f.close()
 
 
 @pytest.mark.parametrize("value,why", [("abc", "is not a number of seconds"), ("0", "must be a finite number"),

@@ -15,6 +15,7 @@ input is linear in the file's header size.
 from __future__ import annotations
 
 import codecs
+import hashlib
 import mmap
 import operator
 import os
@@ -677,6 +678,22 @@ class GGUFFile:
     def tensor_bytes(self) -> int:
         """Sum of the bytes described by the tensor directory."""
         return sum(t.nbytes for t in self.tensors.values())
+
+    def fingerprint(self, samples: int = 16, sample_bytes: int = 1 << 16) -> str:
+        """A short hex digest naming this file's content for comparing copies on other machines: the
+        size, the whole header (metadata, tokenizer, tensor directory) and ``samples`` evenly spaced
+        ``sample_bytes`` windows of the tensor data. A few MiB read however big the file, so two
+        different models or quantizations always differ, and different weights under one layout
+        almost always do; a single corrupted byte can go unseen (the download's sha256 check is what covers
+        every byte)."""
+        mm = self._buffer()
+        h = hashlib.sha256(str(self.file_size).encode())
+        h.update(mm[:self.data_offset])
+        span = self.file_size - self.data_offset
+        for i in range(samples if span > 0 else 0):
+            start = self.data_offset + (span - min(span, sample_bytes)) * i // max(1, samples - 1)
+            h.update(mm[start:start + sample_bytes])
+        return h.hexdigest()[:16]
 
     @property
     def closed(self) -> bool:

@@ -31,15 +31,17 @@ their memory follows rank 0's. All three ride in one STATE command, sent only wh
 something to do. A cache whose state the other ranks never held (one built on rank 0 alone) is
 refused with a ``DistributedError`` (``_claim``) instead of computing on a mismatched state.
 
-Failure: joining waits at most ``join_timeout`` seconds for the other ranks (a watchdog process,
-because ``mx.distributed.init`` blocks in C); a rank that dies later closes its sockets, the ring
-backend raises on its neighbours, and that becomes a one-line ``DistributedError``.
+Failure: joining waits at most ``join_timeout`` seconds for the other ranks and their first
+message, which compares what every rank was started with (a watchdog process, because
+``mx.distributed.init`` blocks in C); a rank that dies later closes its sockets, the ring backend
+raises on its neighbours, and that becomes a one-line ``DistributedError``.
 """
 
 from __future__ import annotations
 
 import atexit
 import collections
+import hashlib
 import math
 import os
 import subprocess
@@ -47,7 +49,7 @@ import sys
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -58,6 +60,10 @@ from ds4_mlx.model.cache import LayerCache, ModelCache, capacity_for
 from ds4_mlx.model.transformer import Model
 
 MODES = ("pipeline", "experts")
+# The command protocol's version, compared when the ranks join (``join``): ranks running different
+# ds4-mlx code would misread each other's messages. Bump it on any change to the commands or to what
+# follows them on the links.
+PROTOCOL_VERSION = 1
 DEFAULT_JOIN_TIMEOUT_S = 120.0
 
 # The command ops. 0..15 are this module's and the modes'; further commands take the next free number.
@@ -92,11 +98,18 @@ def join_timeout(timeout: float | None) -> float:
         raise DistributedError(f"DS4_MLX_DIST_TIMEOUT={env!r} is not a number of seconds") from None
 
 
-def join(timeout: float | None = None, mode: str = "pipeline"):
+def join(timeout: float | None = None, mode: str = "pipeline", checks: Sequence[tuple[str, str]] = ()):
     """The distributed group of this process (``mx.distributed.init``), waiting at most
     ``timeout`` seconds (default ``DS4_MLX_DIST_TIMEOUT`` or 120) for the other ranks; past it the
     process ends with a one-line message. Raises ``DistributedError`` when no launcher started it
-    (the message names ``mode``)."""
+    (the message names ``mode``).
+
+    Joined, the ranks exchange a first message under the same deadline: the digest of each of
+    ``checks`` (``(what, value)`` pairs, e.g. ``("model file", "tiny.gguf, 251 MiB, 1a2b...")``) and of
+    the mode. Two things it turns into one line on every rank instead of a silent wrong answer or a
+    hang: ranks started on different models, numerics or modes (``DistributedError`` naming the first
+    difference), and a link that connected but carries nothing (the ring backend waits for ever on
+    a socket whose peer was some other process; the deadline ends it)."""
     limit = join_timeout(timeout)
     if not (limit > 0 and math.isfinite(limit)):
         raise DistributedError(f"the join timeout must be a finite number of seconds > 0, got {limit:g}")
@@ -105,16 +118,39 @@ def join(timeout: float | None = None, mode: str = "pipeline"):
     dog = subprocess.Popen([sys.executable, "-I", join_watchdog.__file__, str(os.getpid()), str(limit), msg],
                            stdin=subprocess.PIPE)
     try:
-        group = mx.distributed.init(strict=False, backend="any")
-    except RuntimeError as exc:
-        raise DistributedError(f"cannot join the distributed group: {exc}") from None
+        try:
+            group = mx.distributed.init(strict=False, backend="any")
+        except RuntimeError as exc:
+            raise DistributedError(f"cannot join the distributed group: {exc}") from None
+        if group.size() < 2:
+            raise DistributedError(f"--distributed {mode} needs two or more ranks: start every rank with "
+                                   "mlx.launch (e.g. mlx.launch -n 2 --backend ring -- ds4-mlx generate ...)")
+        _agree(group, [("ds4-mlx protocol", f"version {PROTOCOL_VERSION}"), ("mode", f"--distributed {mode}"),
+                       *checks])
     finally:
         dog.stdin.close()  # EOF: the watchdog exits without firing
         dog.wait()
-    if group.size() < 2:
-        raise DistributedError(f"--distributed {mode} needs two or more ranks: start every rank with "
-                               "mlx.launch (e.g. mlx.launch -n 2 --backend ring -- ds4-mlx generate ...)")
     return group
+
+
+def _digest(value: str) -> int:
+    return int.from_bytes(hashlib.blake2b(value.encode(), digest_size=8).digest(), "little", signed=True)
+
+
+def _agree(group, checks: Sequence[tuple[str, str]]) -> None:
+    """Every rank sends every other the digests of ``checks``; the first that differs from this
+    rank's is a ``DistributedError`` (each rank raises its own line, all at once)."""
+    mine = np.array([_digest(value) for _, value in checks], dtype=np.int64)
+    try:
+        every = np.array(mx.distributed.all_gather(mx.array(mine), group=group, stream=mx.cpu))
+    except RuntimeError as exc:
+        raise DistributedError(f"rank {group.rank()}: the first message between the ranks failed: {exc}") from None
+    every = every.reshape(group.size(), len(checks))
+    for (what, value), column in zip(checks, every.T):
+        other = next((r for r, d in enumerate(column) if d != column[group.rank()]), None)
+        if other is not None:
+            raise DistributedError(f"rank {group.rank()}: rank {other} runs with a different {what} "
+                                   f"(this rank: {value}); every rank must run the same command on the same model")
 
 
 # -- the transport --------------------------------------------------------------------------------

@@ -165,7 +165,10 @@ def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend:
     f, cfg = _open(path)
     try:
         if distributed is not None:
-            group = dist.join(join_timeout, distributed)
+            size = f"{f.file_size / (1 << 20):,.0f} MiB" if f.file_size >= 1 << 20 else f"{f.file_size:,} bytes"
+            group = dist.join(join_timeout, distributed, [
+                ("model file", f"{os.path.basename(f.path)}, {size}, content {f.fingerprint()}"),
+                ("numerics", mode.value)])
             if distributed == "experts":
                 owned = expert_parallel.owners(cfg.n_expert, group.size())[group.rank()]
                 model = _build(f, cfg, mode, backend, strategy, group=group, experts=owned)
