@@ -51,6 +51,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from ds4_mlx import allocator
 from ds4_mlx.errors import LayoutError
 from ds4_mlx.formats.ggml_types import GGMLType
 from ds4_mlx.formats.quants import dequantize_rows
@@ -115,6 +116,11 @@ def _row_slabs(out_dim: int, n_in: int):
     step = max(1, (1 << 22) // n_in)
     for r0 in range(0, out_dim, step):
         yield r0, min(out_dim, r0 + step)
+
+
+# A weight of at least this many GGUF bytes drops the mapping's pages it has read every this many
+# bytes while its cached form is built (``DenseWeight._build_slabs``).
+RELEASE_READ_BYTES = 64 << 20
 
 
 # --------------------------------------------------------------------------------------------------
@@ -280,6 +286,24 @@ class DenseWeight:
         index[axis] = slice(self._row0, self._row0 + n)
         return full[tuple(index)]
 
+    def _build_slabs(self):
+        """``_row_slabs`` of the root weight for building a cached form from ``raw``. A big weight
+        (the real model's output head: 536 MiB of Q8_0) drops the GGUF mapping's resident pages
+        every ``RELEASE_READ_BYTES`` it reads and at the end (``allocator.release_file_pages``:
+        clean pages of a read-only mapping, faulted back with the same bytes). Without it the pages
+        read stayed in the process's RSS next to the float32 form built from them: +536 MiB at the
+        peak of the pipeline rank that holds the head."""
+        out_dim, n_in = self.shape
+        release = self.raw.nbytes >= RELEASE_READ_BYTES
+        row_bytes = self.raw.nbytes // max(out_dim, 1)
+        read = 0
+        for r0, r1 in _row_slabs(out_dim, n_in):
+            yield r0, r1
+            read += (r1 - r0) * row_bytes
+            if release and (read >= RELEASE_READ_BYTES or r1 == out_dim):
+                allocator.release_file_pages(self.raw)
+                read = 0
+
     def dense(self) -> mx.array:
         """The weight as float32 (out, in), bit-identical to the numpy dequantization."""
         if self._parent is not None:
@@ -287,7 +311,7 @@ class DenseWeight:
         if self._dense is None:
             out_dim, n_in = self.shape
             self._dense, w = _mlx_buffer((out_dim, n_in))
-            for r0, r1 in _row_slabs(out_dim, n_in):
+            for r0, r1 in self._build_slabs():
                 w[r0:r1] = self._float_rows(r0, r1)
         return self._dense
 
@@ -306,7 +330,7 @@ class DenseWeight:
         if self._dense_t is None:
             out_dim, n_in = self.shape
             self._dense_t, wt = _mlx_buffer((n_in, out_dim))
-            for r0, r1 in _row_slabs(out_dim, n_in):
+            for r0, r1 in self._build_slabs():
                 wt[:, r0:r1] = self._float_rows(r0, r1).T
         return self._dense_t
 
@@ -346,7 +370,7 @@ class DenseWeight:
             # staging copies of the whole matrix, which peaked at 3x the real head's float32 size)
             wq_arr, wq = _mlx_buffer((nb, QK8_0, out_dim))
             wd_arr, wd = _mlx_buffer((nb, out_dim))
-            for r0, r1 in _row_slabs(out_dim, n_in):
+            for r0, r1 in self._build_slabs():
                 blocks = np.ascontiguousarray(self.raw[r0:r1]).reshape(r1 - r0, nb, 34)
                 wd[:, r0:r1] = np.ascontiguousarray(blocks[:, :, 0:2]).view("<f2").reshape(r1 - r0, nb).T
                 wq[:, :, r0:r1] = blocks[:, :, 2:].view(np.int8).transpose(1, 2, 0)  # exact int8 -> float32
@@ -360,7 +384,7 @@ class DenseWeight:
         if self._ds4 is None:
             out_dim, n_in = self.shape
             self._ds4, cols = _mlx_buffer((n_in, out_dim), mx.float64 if dtype == mx.float64 else mx.float32)
-            for r0, r1 in _row_slabs(out_dim, n_in):
+            for r0, r1 in self._build_slabs():
                 cols[:, r0:r1] = np.asarray(self.raw[r0:r1]).T  # exact f16/f32 -> float32/float64
         return self._ds4
 
