@@ -255,7 +255,7 @@ def _build(f: GGUFFile, cfg: ModelConfig, mode: Numerics, backend: str | None, s
            group=None, layers: range | None = None, experts: range | None = None) -> Model:
     """The whole model, or with ``group``: one pipeline rank's part (its ``layers`` only; the output
     head only on the last rank), so the rank never builds, copies or reads the other layers; or one
-    expert-parallel rank's (all layers, only the routed ``experts`` it owns)."""
+    expert-parallel rank's (all layers, only the routed ``experts`` it owns; the head on rank 0 only)."""
     w = _Weights(f, backend, strategy, owned=experts)
     emb_name = EMBEDDING
     if not w.has(emb_name):
@@ -270,7 +270,9 @@ def _build(f: GGUFFile, cfg: ModelConfig, mode: Numerics, backend: str | None, s
     gather = None if experts is None else expert_parallel.RankGather(group)
     blocks = [_block(cfg, w, il, ops, gather) for il in own]
     output_hc = output_norm = output = None
-    if own.stop == cfg.n_layer:
+    # The head: on the last pipeline rank; in expert parallel on rank 0 only, the one rank that
+    # computes logits (the others run every layer but never the head, so they hold none of it).
+    if own.stop == cfg.n_layer and (experts is None or group.rank() == 0):
         output_hc = OutputHC(w.dense("output_hc_fn.weight"), w.f32("output_hc_scale.weight", (1,)),
                              w.f32("output_hc_base.weight", (cfg.n_hc,)), cfg.hc_eps, cfg.rms_eps, ops)
         output_norm, output = w.f32("output_norm.weight", (cfg.n_embd,)), w.dense("output.weight")
