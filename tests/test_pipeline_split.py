@@ -221,3 +221,31 @@ def test_load_builds_the_resident_split(skewed_model, monkeypatch):
         monkeypatch.setattr(dist, "join", lambda timeout, mode, rank=rank: Group(rank))
         loader.load(skewed_model, numerics="ds4-cpu", backend="cpu", experts="host", distributed="pipeline")
     assert built == [(0, range(0, 3), [0, 1, 2], False), (1, range(3, 4), [3], True)]
+
+
+def test_tensors_the_model_does_not_take_weigh_nothing(tiny_model_path):
+    """A file with extra tensors (odd names, shapes or types) splits like the file without them:
+    one process ignores them, so a pipeline must not fail on them or count them."""
+    from ds4_mlx.formats.layout import load_model_file as open_model
+
+    class Info:
+        def __init__(self, shape, ggml_type, nbytes):
+            self.shape, self.ggml_type, self.nbytes = shape, ggml_type, nbytes
+
+    f, cfg, _ = open_model(tiny_model_path)
+    try:
+        expected = loader.resident_split(f, cfg, 2)
+        real_tensor, real_array, extra = f.tensor, f.tensor_array, {
+            "blk.x.attn_q_a.weight": (Info((512, 64), GGMLType.F32, 1 << 30), np.zeros((64, 512), np.float32)),
+            "blk.99.attn_q_a.weight": (Info((512, 64), GGMLType.F32, 1 << 30), np.zeros((64, 512), np.float32)),
+            "blk.0.odd.weight": (Info((7,), GGMLType.F32, 1 << 30), np.zeros(7, np.float32)),
+            "blk.1.odd_exps.weight": (Info((8, 8), GGMLType.F16, 1 << 30), np.zeros((8, 8), np.float16)),
+        }
+        f.tensors = {**f.tensors, **{n: v[0] for n, v in extra.items()}}
+        f.tensor = lambda n: extra[n][0] if n in extra else real_tensor(n)
+        f.tensor_array = lambda n: extra[n][1] if n in extra else real_array(n)
+        assert loader.resident_split(f, cfg, 2) == expected
+        w = loader._Weights(f, "cpu", "host")
+        assert [w.resident_nbytes(n, "default") for n in extra][2:] == [0, 0]  # not a dense / expert tensor
+    finally:
+        f.close()

@@ -87,12 +87,17 @@ class _Weights:
         (``lru_bytes``: the tensor's share of the expert LRU), 4 per element for the float32 arrays,
         0 for the mmap views (the embedding is gathered row by row, never resident as a whole)."""
         kind = tensor_kind(name)
-        if kind == "dense":
-            return DenseWeight.from_gguf(self.f, name, **self.kw).resident_nbytes(numerics)
-        if kind == "experts":
-            e = ExpertWeights.from_gguf(self.f, name, **self.kw)  # a view; decides use_kernels as built
-            return routed_resident_nbytes(e.qtype, e.shape, numerics, device=self.strategy == "device",
-                                          use_kernels=e.use_kernels, lru_bytes=lru_bytes)
+        try:
+            if kind == "dense":
+                return DenseWeight.from_gguf(self.f, name, **self.kw).resident_nbytes(numerics)
+            if kind == "experts":
+                e = ExpertWeights.from_gguf(self.f, name, **self.kw)  # a view; decides use_kernels as built
+                return routed_resident_nbytes(e.qtype, e.shape, numerics, device=self.strategy == "device",
+                                              use_kernels=e.use_kernels, lru_bytes=lru_bytes)
+        except LayoutError:
+            # not a tensor the model takes in this form (an extra tensor the loader ignores): it
+            # holds nothing; if the model does need it, building the rank fails with this error
+            return 0
         if kind == "f32":
             return 4 * int(np.prod(self.f.tensor(name).shape))
         return 0

@@ -87,10 +87,10 @@ def tensor_split(f, n_layer: int, n_ranks: int, nbytes) -> list[range]:
     first = last = 0
     for name in f.tensors:
         b = int(nbytes(name))
-        if name.startswith("blk."):
-            il = int(name.split(".")[1])
-            if 0 <= il < n_layer:
-                per_layer[il] += b
+        parts = name.split(".")
+        if parts[0] == "blk" and len(parts) > 2:
+            if parts[1].isdigit() and int(parts[1]) < n_layer:
+                per_layer[int(parts[1])] += b  # (a block the model does not have builds nothing)
         elif name.startswith("output"):
             last += b
         else:
