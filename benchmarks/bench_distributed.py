@@ -296,11 +296,13 @@ def measure(model: Path, mode: str = "pipeline", ranks: int = 2, prompt_tokens: 
         "prompt_tokens": prompt_tokens,
         "decode_tokens": decode,
         "one": {"peak_rss_bytes": one["peak_rss_bytes"], "expert_cache": one["expert_cache"],
+                "memory_at_end": one.get("memory_at_end"),
                 "prefill_tps": prompt_tokens / one["prefill_s"],
                 "decode_tps": decode / one["decode_s"] if decode else None},
         "per_rank": [{"rank": p["rank"], "layers": p["layers"], "peak_rss_bytes": p["peak_rss_bytes"],
                       "rss_ratio": p["peak_rss_bytes"] / one["peak_rss_bytes"], "sent": p.get("sent"),
-                      "head": p["head"], "expert_cache": p["expert_cache"]} for p in per_rank],
+                      "head": p["head"], "expert_cache": p["expert_cache"],
+                      "memory_at_end": p.get("memory_at_end")} for p in per_rank],
         "rss_ratio_max": max(p["peak_rss_bytes"] for p in per_rank) / one["peak_rss_bytes"],
         "prefill_tps": prompt_tokens / lead["prefill_s"],
         "decode_tps": decode / lead["decode_s"] if decode else None,
@@ -342,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode", type=int, default=16, help="greedy decode steps after the prompt")
     ap.add_argument("--numerics", default="default", choices=("default", "ds4-cpu"))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=600,
+                    help="seconds each run (one process, the ranks) may take (default 600; the 4-layer "
+                         "real-dims model on a loaded 2-core box needs more)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--paper", action="store_true", help="print the paper model of real links (README table)")
     ap.add_argument("--t-layer-ms", type=float, default=None,
@@ -366,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.prompt_tokens < 2 or args.decode < 0 or args.ranks < 2:
         ap.error("--prompt-tokens must be >= 2, --decode >= 0 and --ranks >= 2")
+    if not args.timeout > 0:
+        ap.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
     known = known_modes()
     if args.mode not in known:
         print(f"bench_distributed: mode {args.mode!r} is not available in this ds4-mlx "
@@ -377,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         args.model = benchmark_model_path(args.model, Path(tmpdir))
         try:
             res = measure(args.model, args.mode, args.ranks, args.prompt_tokens, args.decode, args.numerics,
-                          args.seed)
+                          args.seed, args.timeout)
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
             print(f"bench_distributed: error: {exc}", file=sys.stderr)
             return 1

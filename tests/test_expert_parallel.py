@@ -167,7 +167,8 @@ tensors = [e for b in m.blocks for e in (b.ffn.gate_exps, b.ffn.up_exps, b.ffn.d
 owned = m.owned_experts
 resident = sum(e.resident_nbytes for e in tensors)
 print(f"rank {m.rank}: owns {owned.start}..{owned.stop - 1} of {tensors[0].shape[0]}, "
-      f"expert bytes {sum(e.expert_nbytes * tensors[0].shape[0] for e in tensors)}, resident {resident}", flush=True)
+      f"expert bytes {sum(e.expert_nbytes * tensors[0].shape[0] for e in tensors)}, resident {resident}, "
+      f"head {m.output is not None}", flush=True)
 if m.rank:
     m.follow()
     read = sum(e.bytes_read for e in tensors)
@@ -186,7 +187,8 @@ print(f"rank 0: done, read {read}, foreign {read > len(owned) * sum(e.expert_nby
 @pytest.mark.parametrize("strategy", ["device", "host"])
 def test_each_rank_holds_only_its_share_of_the_experts(tiny_model_path, tmp_path, strategy):
     """Device strategy: the resident expert bytes per rank are half the model's; host strategy: the
-    slabs read out of the mapping never exceed the rank's own experts' bytes."""
+    slabs read out of the mapping never exceed the rank's own experts' bytes. Only rank 0 holds the
+    output head (the followers never compute logits)."""
     script = tmp_path / "rank.py"
     script.write_text(_RANK_SCRIPT)
     r = _run(LAUNCH + ["-n", "2", "--backend", "ring", "--", sys.executable, str(script), str(tiny_model_path),
@@ -197,8 +199,10 @@ def test_each_rank_holds_only_its_share_of_the_experts(tiny_model_path, tmp_path
     assert head0.startswith("rank 0: owns 0..7 of 16") and head1.startswith("rank 1: owns 8..15 of 16"), lines
     total = int(head0.split("expert bytes ")[1].split(",")[0])
     for head in (head0, head1):
-        resident = int(head.split("resident ")[1])
+        resident = int(head.split("resident ")[1].split(",")[0])
         assert resident == (total // 2 if strategy == "device" else 0), head
+    # only rank 0 computes logits, so only rank 0 holds the output head
+    assert head0.endswith("head True") and head1.endswith("head False"), lines
     assert done0.startswith("rank 0: done") and done1.startswith("rank 1: stopped"), lines
     for done in (done0, done1):
         assert done.endswith("foreign False"), done

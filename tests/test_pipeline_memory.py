@@ -116,3 +116,34 @@ def test_routed_share_of_the_tiny_model(tiny_file):
     assert sum(shares) == pytest.approx(1.0)
     # every layer of the tiny model has the same expert tensors: the share is the layer count's
     assert shares == pytest.approx([len(r) / cfg.n_layer for r in ranges])
+
+
+def _rss_file() -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("RssFile:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no RssFile in /proc/self/status")
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="madvise release is Linux-only")
+@pytest.mark.parametrize("numerics", ["default", "ds4-cpu"])
+def test_building_the_head_leaves_its_gguf_pages_out_of_rss(tiny_model_path, numerics):
+    """The rank that holds the head builds its float32 form from the GGUF's Q8_0 pages; those pages
+    must not stay resident next to it (on the real model: 536 MiB more at that rank's peak, which
+    kept a 2-rank pipeline above 0.6x the one-process peak). The tiny head is 70 MiB of Q8_0."""
+    import mlx.core as mx
+
+    from ds4_mlx.formats.layout import load_model_file
+    from ds4_mlx.model.linear import DenseWeight
+
+    f, cfg, _ = load_model_file(tiny_model_path)  # a fresh mapping: none of its pages resident yet
+    try:
+        w = DenseWeight.from_gguf(f, "output.weight", backend="cpu")
+        assert w.nbytes > 64 << 20
+        before = _rss_file()
+        x = mx.zeros((1, cfg.n_embd))
+        mx.eval(w(x) if numerics == "default" else w.ds4_cpu(x))
+        assert _rss_file() - before < w.nbytes // 4, (before, _rss_file(), w.nbytes)
+    finally:
+        f.close()

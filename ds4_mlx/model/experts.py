@@ -203,6 +203,22 @@ def routed_share(gguf_file, layers: range) -> float:
             own += nbytes
     return own / total if total else 1.0
 
+def routed_resident_nbytes(qtype: GGMLType | int, shape: tuple[int, int, int], numerics: str, *,
+                           device: bool, use_kernels: bool, lru_bytes: int) -> int:
+    """Bytes of memory an expert tensor (n_expert, out, in) holds beyond the mapping: its raw blocks
+    copied into MLX memory when ``device`` (``DeviceExpertWeights``), plus in DEFAULT numerics without
+    the raw-block kernels the dequantized float32 experts the LRU keeps, at most ``lru_bytes`` (the
+    tensor's share of ``EXPERT_CACHE``'s budget) and at most the whole tensor as float32. The host
+    strategy's slabs are copied out of the mapping per call, and DS4_CPU re-reads them: neither keeps
+    them. A pipeline split by these bytes (``model/pipeline.py``) weighs a layer by what it holds."""
+    n_expert, out_dim, n_in = (int(d) for d in shape)
+    elems, block_bytes = BLOCK_GEOMETRY[GGMLType(qtype)]
+    resident = n_expert * out_dim * (n_in // elems) * block_bytes if device else 0
+    if numerics == "default" and not use_kernels:  # ``Numerics`` is a str enum
+        resident += min(int(lru_bytes), 4 * n_expert * out_dim * n_in)
+    return resident
+
+
 # Dequantized float32 weights alive at once in one call of the CPU path. A 2048-token prefill chunk
 # selects every expert (256 x 32 MiB = 8 GiB per projection at the real dims) and MLX's lazy graph
 # would hold them all until the end of the call; evaluating group by group bounds the peak.
@@ -383,26 +399,26 @@ class ExpertWeights:
         xq, xd = quantize_q8_k_activation_mlx(x_rows)  # int8 [R, in], float32 [R, nb]
         xq = xq.astype(mx.float32)
         if self.qtype == GGMLType.IQ2_XXS:
-            parts = _iq2_xxs_parts(slabs, n_in)
-            fn = _ds4_iq2_xxs
+            parts_of, fn = _iq2_xxs_parts, _ds4_iq2_xxs
         elif self.qtype == GGMLType.Q2_K:
-            parts = _q2_k_parts(slabs, n_in)
-            fn = _ds4_q2_k
+            parts_of, fn = _q2_k_parts, _ds4_q2_k
         else:
-            parts = _q4_k_parts(slabs, n_in)
-            fn = _ds4_q4_k
+            parts_of, fn = _q4_k_parts, _ds4_q4_k
         order, bounds, inverse = metal_kernels.pair_order(slot)
         # rows per chunk so the largest temporary, [sub-blocks, rows, out], stays below the bound
         step = max(1, DS4_CHUNK_ELEMENTS // ((n_in // 32) * out_dim))
-        big = len(slot) > step
+        many = len(bounds) > 2 or len(slot) > step
         pieces = []
         for s in range(len(bounds) - 1):
             sel = order[bounds[s]:bounds[s + 1]]
-            w = tuple(p[s] for p in parts)
+            # One expert's parts at a time, evaluated before the next: all selected experts' parts at
+            # once held 32 MiB of float32 per expert and more at the real dims (+1.3 GiB peak for a
+            # 4-token prefill's 24 experts). The same elementwise arithmetic: the same bits.
+            w = tuple(p[0] for p in parts_of(slabs[s:s + 1], n_in))
             for a, b in chunks(len(sel), step):
                 r = mx.array(rows[sel[a:b]])
                 pieces.append(fn(w, mx.take(xq, r, axis=0), mx.take(xd, r, axis=0)))
-                if big:
+                if many:
                     mx.eval(pieces[-1])
         y_sorted = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)
         return mx.take(y_sorted, mx.array(inverse), axis=0)

@@ -51,17 +51,19 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from ds4_mlx import allocator
 from ds4_mlx.errors import LayoutError
 from ds4_mlx.formats.ggml_types import GGMLType
 from ds4_mlx.formats.quants import dequantize_rows
 from ds4_mlx.formats.quants_mlx import quantize_q8_0_activation_mlx
 from ds4_mlx.model import metal_kernels
-from ds4_mlx.model.ops import DS4_CHUNK_ELEMENTS, chunks
+from ds4_mlx.model.ops import DS4_CHUNK_ELEMENTS, Numerics, as_numerics, chunks
 
 __all__ = [
     "Backend",
     "DenseWeight",
     "default_backend",
+    "dense_resident_nbytes",
     "q8_0_to_affine",
     "resolve_backend",
 ]
@@ -114,6 +116,11 @@ def _row_slabs(out_dim: int, n_in: int):
     step = max(1, (1 << 22) // n_in)
     for r0 in range(0, out_dim, step):
         yield r0, min(out_dim, r0 + step)
+
+
+# A weight of at least this many GGUF bytes drops the mapping's pages it has read every this many
+# bytes while its cached form is built (``DenseWeight._build_slabs``).
+RELEASE_READ_BYTES = 64 << 20
 
 
 # --------------------------------------------------------------------------------------------------
@@ -172,6 +179,31 @@ def _sequential_outer_sum(w_cols: mx.array, x2: mx.array) -> mx.array:
         if i % 1024 == 1023:
             mx.eval(acc)  # keeps the lazy graph short
     return acc
+
+
+def dense_resident_nbytes(qtype: GGMLType | int, shape: tuple[int, int], backend: "Backend | str | None",
+                          numerics: "Numerics | str", use_kernels: bool = False) -> int:
+    """Bytes of MLX memory a root ``DenseWeight`` of this type and (out, in) shape holds once it has
+    multiplied in ``numerics`` on ``backend`` (its cached form; the GGUF bytes stay in the mapping).
+
+    One branch per form the multiplication paths build (``_fast_matmul``, ``_ds4_matmul``), so a
+    pipeline split by these bytes sees what a rank will hold: on the CPU backend a Q8_0 weight is
+    ~3.8x its GGUF bytes (float32), an F16 one 2x. ``test_linear`` builds every form and compares its
+    ``nbytes`` with this figure, so the two cannot drift apart silently.
+    """
+    qtype = GGMLType(qtype)
+    out_dim, n_in = (int(shape[0]), int(shape[1]))
+    elems = out_dim * n_in
+    nb = n_in // QK8_0
+    if as_numerics(numerics) is Numerics.DS4_CPU:
+        if qtype == GGMLType.Q8_0:  # ``_ds4_q8_0``: int8 codes as float32 + the block scales as float32
+            return 4 * elems + 4 * nb * out_dim
+        return (8 if qtype == GGMLType.F32 else 4) * elems  # ``_ds4_columns``: float64 for F32, else float32
+    if resolve_backend(backend) is Backend.METAL and qtype == GGMLType.Q8_0:
+        if use_kernels:  # ``blocks``: the raw GGUF rows
+            return nb * 34 * out_dim
+        return elems + 2 * 4 * nb * out_dim  # ``affine``: 8-bit codes, float32 scales and biases
+    return 4 * elems  # ``dense_t`` (or ``dense`` for a weight used by row slices): float32
 
 
 class DenseWeight:
@@ -233,6 +265,10 @@ class DenseWeight:
         """Bytes of the weight as stored in the GGUF."""
         return int(self.raw.nbytes)
 
+    def resident_nbytes(self, numerics: "Numerics | str") -> int:
+        """``dense_resident_nbytes`` of this weight: what its cached form holds in MLX memory."""
+        return dense_resident_nbytes(self.qtype, self.shape, self.backend, numerics, self.use_kernels)
+
     def rows(self, start: int, stop: int) -> "DenseWeight":
         """The weight restricted to output rows [start, stop); shares this weight's caches."""
         if not 0 <= start < stop <= self.shape[0]:
@@ -250,6 +286,24 @@ class DenseWeight:
         index[axis] = slice(self._row0, self._row0 + n)
         return full[tuple(index)]
 
+    def _build_slabs(self):
+        """``_row_slabs`` of the root weight for building a cached form from ``raw``. A big weight
+        (the real model's output head: 536 MiB of Q8_0) drops the GGUF mapping's resident pages
+        every ``RELEASE_READ_BYTES`` it reads and at the end (``allocator.release_file_pages``:
+        clean pages of a read-only mapping, faulted back with the same bytes). Without it the pages
+        read stayed in the process's RSS next to the float32 form built from them: +536 MiB at the
+        peak of the pipeline rank that holds the head."""
+        out_dim, n_in = self.shape
+        release = self.raw.nbytes >= RELEASE_READ_BYTES
+        row_bytes = self.raw.nbytes // max(out_dim, 1)
+        read = 0
+        for r0, r1 in _row_slabs(out_dim, n_in):
+            yield r0, r1
+            read += (r1 - r0) * row_bytes
+            if release and (read >= RELEASE_READ_BYTES or r1 == out_dim):
+                allocator.release_file_pages(self.raw)
+                read = 0
+
     def dense(self) -> mx.array:
         """The weight as float32 (out, in), bit-identical to the numpy dequantization."""
         if self._parent is not None:
@@ -257,7 +311,7 @@ class DenseWeight:
         if self._dense is None:
             out_dim, n_in = self.shape
             self._dense, w = _mlx_buffer((out_dim, n_in))
-            for r0, r1 in _row_slabs(out_dim, n_in):
+            for r0, r1 in self._build_slabs():
                 w[r0:r1] = self._float_rows(r0, r1)
         return self._dense
 
@@ -276,7 +330,7 @@ class DenseWeight:
         if self._dense_t is None:
             out_dim, n_in = self.shape
             self._dense_t, wt = _mlx_buffer((n_in, out_dim))
-            for r0, r1 in _row_slabs(out_dim, n_in):
+            for r0, r1 in self._build_slabs():
                 wt[:, r0:r1] = self._float_rows(r0, r1).T
         return self._dense_t
 
@@ -316,7 +370,7 @@ class DenseWeight:
             # staging copies of the whole matrix, which peaked at 3x the real head's float32 size)
             wq_arr, wq = _mlx_buffer((nb, QK8_0, out_dim))
             wd_arr, wd = _mlx_buffer((nb, out_dim))
-            for r0, r1 in _row_slabs(out_dim, n_in):
+            for r0, r1 in self._build_slabs():
                 blocks = np.ascontiguousarray(self.raw[r0:r1]).reshape(r1 - r0, nb, 34)
                 wd[:, r0:r1] = np.ascontiguousarray(blocks[:, :, 0:2]).view("<f2").reshape(r1 - r0, nb).T
                 wq[:, :, r0:r1] = blocks[:, :, 2:].view(np.int8).transpose(1, 2, 0)  # exact int8 -> float32
@@ -330,7 +384,7 @@ class DenseWeight:
         if self._ds4 is None:
             out_dim, n_in = self.shape
             self._ds4, cols = _mlx_buffer((n_in, out_dim), mx.float64 if dtype == mx.float64 else mx.float32)
-            for r0, r1 in _row_slabs(out_dim, n_in):
+            for r0, r1 in self._build_slabs():
                 cols[:, r0:r1] = np.asarray(self.raw[r0:r1]).T  # exact f16/f32 -> float32/float64
         return self._ds4
 

@@ -19,7 +19,7 @@ from ds4_mlx.formats.layout import load_model_file
 from ds4_mlx.model.attention import Attention
 from ds4_mlx.model.compressor import Compressor
 from ds4_mlx.model.device_experts import DeviceExpertWeights, resolve_strategy
-from ds4_mlx.model.experts import ExpertWeights
+from ds4_mlx.model.experts import EXPERT_CACHE, ExpertWeights, routed_resident_nbytes
 from ds4_mlx.model.hyper_connection import HyperConnection, OutputHC
 from ds4_mlx.model.indexer import Indexer
 from ds4_mlx.model.linear import DenseWeight
@@ -43,23 +43,69 @@ def parse_numerics(numerics: str | Numerics) -> Numerics:
                           f"{[n.value for n in Numerics]}") from None
 
 
+# How ``_block`` / ``_build`` take each tensor (``tensor_kind``): small float32 arrays by these
+# name endings, the embedding and the hash table as mmap views, routed experts, the rest dense.
+_F32_SUFFIXES = ("_norm.weight", "_scale.weight", "_base.weight", "_ape.weight", "_sinks.weight", ".bias")
+EMBEDDING = "token_embd.weight"
+
+
+def tensor_kind(name: str) -> str:
+    """How the loader builds tensor ``name``: "embedding" or "table" (mmap views, gathered from),
+    "experts" (``ExpertWeights``), "f32" (a float32 MLX array), "dense" (``DenseWeight``).
+    ``test_pipeline_split`` checks it against what ``_Weights`` records while building the model."""
+    if name == EMBEDDING:
+        return "embedding"
+    if name.endswith("_tid2eid.weight"):
+        return "table"
+    if name.endswith("_exps.weight"):
+        return "experts"
+    if name.endswith(_F32_SUFFIXES):
+        return "f32"
+    return "dense"
+
+
 class _Weights:
-    """Name-checked access to the GGUF tensors."""
+    """Name-checked access to the GGUF tensors; ``kinds`` records how each was taken."""
 
     def __init__(self, f: GGUFFile, backend: str | None = None, experts: str = "host",
                  owned: range | None = None):
         self.f = f
         self.backend = backend
         self.kw = {} if backend is None else {"backend": backend}
+        self.strategy = experts
         self.expert_cls = DeviceExpertWeights if experts == "device" else ExpertWeights
         self.owned = owned  # an expert-parallel rank's routed experts (None: all of them)
+        self.kinds: dict[str, str] = {}
 
     def has(self, name: str) -> bool:
         return name in self.f.tensors
 
+    def resident_nbytes(self, name: str, numerics: Numerics, lru_bytes: int = 0) -> int:
+        """Bytes tensor ``name`` will hold in memory once used in ``numerics`` (beyond the mapping),
+        decided by the same classes that build it: ``DenseWeight.resident_nbytes`` for a dense
+        weight (its backend resolved as when built), ``routed_resident_nbytes`` for routed experts
+        (``lru_bytes``: the tensor's share of the expert LRU), 4 per element for the float32 arrays,
+        0 for the mmap views (the embedding is gathered row by row, never resident as a whole)."""
+        kind = tensor_kind(name)
+        try:
+            if kind == "dense":
+                return DenseWeight.from_gguf(self.f, name, **self.kw).resident_nbytes(numerics)
+            if kind == "experts":
+                e = ExpertWeights.from_gguf(self.f, name, **self.kw)  # a view; decides use_kernels as built
+                return routed_resident_nbytes(e.qtype, e.shape, numerics, device=self.strategy == "device",
+                                              use_kernels=e.use_kernels, lru_bytes=lru_bytes)
+        except LayoutError:
+            # not a tensor the model takes in this form (an extra tensor the loader ignores): it
+            # holds nothing; if the model does need it, building the rank fails with this error
+            return 0
+        if kind == "f32":
+            return 4 * int(np.prod(self.f.tensor(name).shape))
+        return 0
+
     def f32(self, name: str, shape: tuple[int, ...] | None = None) -> mx.array:
         if name not in self.f.tensors:
             raise LayoutError(f"{self.f.path}: tensor {name!r} is missing")
+        self.kinds[name] = "f32"
         a = np.asarray(self.f.tensor_array(name)).astype(np.float32)
         if shape is not None:
             if a.size != int(np.prod(shape)):
@@ -70,11 +116,13 @@ class _Weights:
     def dense(self, name: str) -> DenseWeight:
         if name not in self.f.tensors:
             raise LayoutError(f"{self.f.path}: tensor {name!r} is missing")
+        self.kinds[name] = "dense"
         return DenseWeight.from_gguf(self.f, name, **self.kw)
 
     def experts(self, name: str) -> ExpertWeights:
         if name not in self.f.tensors:
             raise LayoutError(f"{self.f.path}: tensor {name!r} is missing")
+        self.kinds[name] = "experts"
         if self.owned is not None:
             return expert_parallel.OwnedExperts.from_gguf(self.expert_cls, self.f, name, self.owned, self.backend)
         return self.expert_cls.from_gguf(self.f, name, **self.kw)
@@ -125,6 +173,7 @@ def _block(cfg: ModelConfig, w: _Weights, il: int, ops: DefaultOps, gather=None)
         name = f"{p}ffn_gate_tid2eid.weight"
         if not w.has(name):
             raise LayoutError(f"{w.f.path}: hash layer {il} needs tensor {name!r}")
+        w.kinds[name] = "table"
         tid2eid = np.asarray(w.f.tensor_array(name)).reshape(-1, cfg.n_expert_used)
         if tid2eid.min(initial=0) < 0 or tid2eid.max(initial=0) >= cfg.n_expert:
             raise LayoutError(f"{w.f.path}: {name} holds expert ids outside 0..{cfg.n_expert - 1}")
@@ -138,6 +187,32 @@ def _block(cfg: ModelConfig, w: _Weights, il: int, ops: DefaultOps, gather=None)
               n_used=cfg.n_expert_used, weight_scale=cfg.expert_weights_scale, clamp=cfg.swiglu_clamp[il], eps=eps,
               ops=ops, gather=gather)
     return Block(il, hc("attn"), attn, hc("ffn"), ffn)
+
+
+def resident_split(f: GGUFFile, cfg: ModelConfig, n_ranks: int, numerics: str | Numerics = "default",
+                   backend: str | None = None, strategy: str = "host") -> list[range]:
+    """The pipeline's layer ranges for ``n_ranks``: ``pipeline.tensor_split`` over what each tensor
+    will hold in memory (``_Weights.resident_nbytes``), not its GGUF bytes. On MLX's CPU backend a
+    Q8_0 dense weight becomes float32 (~3.8x its GGUF bytes) while the host strategy's routed experts
+    stay in the mapping, so a split by GGUF bytes, dominated by the experts, puts the float32 head
+    on a rank that also got its full share of layers.
+
+    The expert LRU's budget is spread over the expert tensors in proportion to their GGUF bytes, as
+    ``ExpertCache.scale_default`` gives each rank its share (an explicit budget is not scaled, so a
+    rank may hold all of it; spread the same way it still weighs each layer alike). Every input is
+    the file, the options and the environment the launcher gives every rank, so all ranks compute
+    the same split."""
+    mode = parse_numerics(numerics)
+    w = _Weights(f, backend, resolve_strategy(strategy))
+    routed = {n: int(f.tensor(n).nbytes) for n in f.tensors if tensor_kind(n) == "experts"}
+    total = sum(routed.values())
+    budget = EXPERT_CACHE.limit_bytes if EXPERT_CACHE.explicit else EXPERT_CACHE.default_bytes
+
+    def nbytes(name: str) -> int:
+        lru = budget * routed[name] // total if name in routed else 0
+        return w.resident_nbytes(name, mode, lru)
+
+    return pipeline.tensor_split(f, cfg.n_layer, n_ranks, nbytes)
 
 
 def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend: str | None = None,
@@ -173,7 +248,7 @@ def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend:
                 owned = expert_parallel.owners(cfg.n_expert, group.size())[group.rank()]
                 model = _build(f, cfg, mode, backend, strategy, group=group, experts=owned)
             else:
-                ranges = pipeline.gguf_split(f, cfg.n_layer, group.size())
+                ranges = resident_split(f, cfg, group.size(), mode, backend, strategy)
                 model = _build(f, cfg, mode, backend, strategy, group=group, layers=ranges[group.rank()])
         else:
             model = _build(f, cfg, mode, backend, strategy)
@@ -188,11 +263,12 @@ def _build(f: GGUFFile, cfg: ModelConfig, mode: Numerics, backend: str | None, s
            group=None, layers: range | None = None, experts: range | None = None) -> Model:
     """The whole model, or with ``group``: one pipeline rank's part (its ``layers`` only; the output
     head only on the last rank), so the rank never builds, copies or reads the other layers; or one
-    expert-parallel rank's (all layers, only the routed ``experts`` it owns)."""
+    expert-parallel rank's (all layers, only the routed ``experts`` it owns; the head on rank 0 only)."""
     w = _Weights(f, backend, strategy, owned=experts)
-    emb_name = "token_embd.weight"
+    emb_name = EMBEDDING
     if not w.has(emb_name):
         raise LayoutError(f"{f.path}: tensor {emb_name!r} is missing")
+    w.kinds[emb_name] = "embedding"
     embedding = f.tensor_array(emb_name)
     if embedding.dtype != np.float16 or embedding.shape != (cfg.n_vocab, cfg.n_embd):
         raise LayoutError(f"{f.path}: {emb_name} must be F16 of shape {(cfg.n_vocab, cfg.n_embd)}, "
@@ -202,7 +278,9 @@ def _build(f: GGUFFile, cfg: ModelConfig, mode: Numerics, backend: str | None, s
     gather = None if experts is None else expert_parallel.RankGather(group)
     blocks = [_block(cfg, w, il, ops, gather) for il in own]
     output_hc = output_norm = output = None
-    if own.stop == cfg.n_layer:
+    # The head: on the last pipeline rank; in expert parallel on rank 0 only, the one rank that
+    # computes logits (the others run every layer but never the head, so they hold none of it).
+    if own.stop == cfg.n_layer and (experts is None or group.rank() == 0):
         output_hc = OutputHC(w.dense("output_hc_fn.weight"), w.f32("output_hc_scale.weight", (1,)),
                              w.f32("output_hc_base.weight", (cfg.n_hc,)), cfg.hc_eps, cfg.rms_eps, ops)
         output_norm, output = w.f32("output_norm.weight", (cfg.n_embd,)), w.dense("output.weight")

@@ -3,8 +3,10 @@
     rank 0          embed, layers [0, a)      --H-->  rank 1   layers [a, b)  --H--> ... last rank
     rank 0  <--logits--  last rank: layers [.., n_layer), output HC, norm, head
 
-Layers are split by their weight bytes (``split_layers``, the head counted on the last rank), so
-each rank maps and touches only its share of the GGUF: the loader
+Layers are split by the bytes each will hold in memory (``split_layers`` over the loader's
+``resident_split``: a tensor's resident bytes for the numerics, backend and expert strategy; the head
+counted on the last rank), so each rank's peak memory is as even as contiguous layers allow, and each
+rank maps and touches only its share of the GGUF: the loader
 builds only the rank's own blocks (``loader.load(..., distributed="pipeline")``); the embedding is
 gathered only on rank 0 and the head exists only on the last rank.
 
@@ -76,22 +78,35 @@ def split_layers(layer_bytes: list[int], n_ranks: int, first_extra: int = 0, las
     return ranges[::-1]
 
 
-def gguf_split(f, n_layer: int, n_ranks: int) -> list[range]:
-    """``split_layers`` over the GGUF's tensor bytes: ``blk.N.*`` per layer, the output head
-    (``output*``) on the last rank. The embedding is not counted: rank 0 gathers only the rows of the
-    tokens it sees out of the mapping, so it never becomes resident as a whole (on the tiny model,
-    counting its 126 MiB would leave rank 0 one layer and the last rank the other five and the head)."""
+def tensor_split(f, n_layer: int, n_ranks: int, nbytes) -> list[range]:
+    """``split_layers`` over ``nbytes(name)`` of every tensor of the GGUF ``f``: ``blk.N.*`` count on
+    layer N, the output head (``output*``) on the last rank, the rest (the embedding) on rank 0.
+    ``nbytes`` must be a pure function of the file and the load options, so every rank computes the
+    same split without talking to the others."""
     per_layer = [0] * n_layer
-    head = 0
+    first = last = 0
     for name in f.tensors:
-        nbytes = int(f.tensor(name).nbytes)
-        if name.startswith("blk."):
-            il = int(name.split(".")[1])
-            if 0 <= il < n_layer:
-                per_layer[il] += nbytes
+        b = int(nbytes(name))
+        parts = name.split(".")
+        if parts[0] == "blk" and len(parts) > 2:
+            if parts[1].isdigit() and int(parts[1]) < n_layer:
+                per_layer[int(parts[1])] += b  # (a block the model does not have builds nothing)
         elif name.startswith("output"):
-            head += nbytes
-    return split_layers(per_layer, n_ranks, 0, head)
+            last += b
+        else:
+            first += b
+    return split_layers(per_layer, n_ranks, first, last)
+
+
+def gguf_split(f, n_layer: int, n_ranks: int) -> list[range]:
+    """``tensor_split`` over the GGUF's tensor bytes. The embedding is not counted: rank 0 gathers
+    only the rows of the tokens it sees out of the mapping, so it never becomes resident as a whole.
+    The loader splits by resident bytes instead (``loader.resident_split``): what a rank holds is not
+    its GGUF bytes (float32 dense weights on the CPU backend, experts left in the mapping)."""
+    def gguf_bytes(name: str) -> int:
+        return int(f.tensor(name).nbytes) if name.startswith(("blk.", "output")) else 0
+
+    return tensor_split(f, n_layer, n_ranks, gguf_bytes)
 
 
 # -- the model of one rank ---------------------------------------------------------------------
