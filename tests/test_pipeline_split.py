@@ -218,7 +218,7 @@ def test_load_builds_the_resident_split(skewed_model, monkeypatch):
 
     monkeypatch.setattr(loader.pipeline, "PipelineModel", fake_model)
     for rank in (0, 1):
-        monkeypatch.setattr(dist, "join", lambda timeout, mode, rank=rank: Group(rank))
+        monkeypatch.setattr(dist, "join", lambda timeout, mode, checks=(), rank=rank: Group(rank))
         loader.load(skewed_model, numerics="ds4-cpu", backend="cpu", experts="host", distributed="pipeline")
     assert built == [(0, range(0, 3), [0, 1, 2], False), (1, range(3, 4), [3], True)]
 
