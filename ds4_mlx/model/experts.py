@@ -44,7 +44,7 @@ from collections import OrderedDict
 import numpy as np
 import mlx.core as mx
 
-from ds4_mlx.errors import LayoutError
+from ds4_mlx.errors import InferenceError, LayoutError
 from ds4_mlx.formats.ggml_types import BLOCK_GEOMETRY, GGMLType
 from ds4_mlx.formats.iq2xxs_tables import grid_bytes, sign_bits
 from ds4_mlx.formats.quants import SIGNED_GRID_WORDS
@@ -300,9 +300,11 @@ class ExpertWeights:
         whose slabs are ``raw`` itself (``_read`` not overridden: not the device strategy) goes native."""
         if self.native is False or type(self)._read is not ExpertWeights._read:
             return None
+        if self.raw.dtype != np.uint8 or self.raw.strides[2] != 1:
+            return None  # the C code walks whole rows of bytes; any other view takes the MLX path
         lib = native.library()
         if lib is None and self.native:
-            raise RuntimeError(f"tensor {self.name!r}: native experts requested but unavailable "
+            raise InferenceError(f"tensor {self.name!r}: native experts requested but unavailable "
                                f"({native.status()['reason']})")
         return lib
 
@@ -313,13 +315,15 @@ class ExpertWeights:
         order = np.argsort(slot, kind="stable")
         bounds = np.searchsorted(slot[order], np.arange(uniq.size + 1))
         self.bytes_read += int(uniq.size) * self.expert_nbytes  # read in place, once each
+        # One host read per call (the ids are on the host already): a decode step's syncs stay
+        # 1 + routed layers * (1 + 3 expert calls).
         if ds4:
             xq, xd = quantize_q8_k_activation_mlx(x_rows)
-            mx.eval(xq, xd)
+            # codes and scales in one read: the scales' bytes ride behind each row's codes
+            both = np.asarray(mx.concatenate([xq, mx.view(xd, mx.int8)], axis=1))
             y = native.pairs_ds4(lib, int(self.qtype), self.raw, n_in, uniq, bounds, order, rows,
-                                 np.asarray(xq), np.asarray(xd), SIGNED_GRID_WORDS)
+                                 both[:, :n_in], both[:, n_in:].view(np.float32), SIGNED_GRID_WORDS)
         else:
-            mx.eval(x_rows)
             y = native.pairs_f32(lib, int(self.qtype), self.raw, n_in, uniq, bounds, order, rows,
                                  np.asarray(x_rows), SIGNED_GRID_WORDS)
         return mx.array(y)
