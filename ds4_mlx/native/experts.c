@@ -61,6 +61,7 @@ static uint32_t le32(const uint8_t *p) {
  * d, dmin: per super-block halves as float. */
 typedef struct {
     int8_t *q;
+    int16_t *w;   /* ds4: q times its sub-block's integer scale (IQ2_XXS ls, Q2_K sc & 15, Q4_K sc) */
     int32_t *sc;  /* per sub-block */
     int32_t *mn;  /* per sub-block (Q2_K: sc >> 4, Q4_K: m) */
     float *d, *dmin; /* per super-block */
@@ -150,6 +151,25 @@ static void dequant_row(int qtype, int nb, const row_codes *c, const uint8_t *ro
     }
 }
 
+/* q times its integer sub-block scale: one 256-long integer dot per super-block then gives
+ * sum_j scale_j * sum(q * y) over the sub-blocks j exactly (the same integer, fewer reductions). */
+static void scale_codes(int qtype, int nb, row_codes *c) {
+    const int sub = qtype == GGML_Q2_K ? 16 : 32;
+    for (int i = 0; i < nb; i++)
+        for (int j = 0; j < QK_K / sub; j++) {
+            const int16_t f = (int16_t)c->sc[i * (QK_K / sub) + j];
+            const int8_t *q = c->q + (size_t)i * QK_K + j * sub;
+            int16_t *w = c->w + (size_t)i * QK_K + j * sub;
+            for (int l = 0; l < sub; l++) w[l] = (int16_t)(q[l] * f);
+        }
+}
+
+static int32_t dot_i16_256(const int16_t *a, const int16_t *b) {
+    int32_t s = 0;
+    for (int l = 0; l < QK_K; l++) s += (int32_t)a[l] * (int32_t)b[l];
+    return s;
+}
+
 /* Float dot product in a fixed order: 16 lanes over the row, then a fixed tree. */
 static float dot_f32(const float *a, const float *b, int n) {
     float acc[16];
@@ -161,42 +181,24 @@ static float dot_f32(const float *a, const float *b, int n) {
     return acc[0];
 }
 
-static int32_t dot_i8_32(const int8_t *a, const int8_t *b) {
-    int32_t s = 0;
-    for (int l = 0; l < 32; l++) s += (int32_t)((int16_t)a[l] * (int16_t)b[l]);
-    return s;
-}
-
-static int32_t dot_i8_16(const int8_t *a, const int8_t *b) {
-    int32_t s = 0;
-    for (int l = 0; l < 16; l++) s += (int32_t)((int16_t)a[l] * (int16_t)b[l]);
-    return s;
-}
-
 /* ds4.c's vec_dot of one decoded row with one Q8_K row (module docstring of experts.py). */
-static float ds4_dot(int qtype, int nb, const row_codes *c, const int8_t *xq, const float *xd,
+static float ds4_dot(int qtype, int nb, const row_codes *c, const int16_t *xq, const float *xd,
                      const int32_t *bsums) {
     float sumf = 0.0f;
     for (int i = 0; i < nb; i++) {
-        const int8_t *q = c->q + (size_t)i * QK_K;
-        const int8_t *y = xq + (size_t)i * QK_K;
+        const int32_t dot = dot_i16_256(c->w + (size_t)i * QK_K, xq + (size_t)i * QK_K);
         if (qtype == GGML_IQ2_XXS) {
-            int32_t bsum = 0;
-            for (int g = 0; g < 8; g++) bsum += dot_i8_32(q + 32 * g, y + 32 * g) * c->sc[i * 8 + g];
+            const int32_t bsum = dot; /* sum_g ls_g * sum_32(grid * q8) */
             float d = c->d[i] * xd[i];
             sumf = sumf + d * (float)bsum;
         } else {
-            int32_t isum = 0, summs = 0;
+            const int32_t isum = dot; /* sum_j sc_j * sum(q * q8) */
+            int32_t summs = 0;
             if (qtype == GGML_Q2_K) {
-                for (int j = 0; j < 16; j++) {
-                    isum += c->sc[i * 16 + j] * dot_i8_16(q + 16 * j, y + 16 * j);
-                    summs += c->mn[i * 16 + j] * bsums[i * 16 + j];
-                }
+                for (int j = 0; j < 16; j++) summs += c->mn[i * 16 + j] * bsums[i * 16 + j];
             } else {
-                for (int j = 0; j < 8; j++) {
-                    isum += c->sc[i * 8 + j] * dot_i8_32(q + 32 * j, y + 32 * j);
+                for (int j = 0; j < 8; j++)
                     summs += c->mn[i * 8 + j] * (bsums[i * 16 + 2 * j] + bsums[i * 16 + 2 * j + 1]);
-                }
             }
             float dall = xd[i] * c->d[i];
             float dm = xd[i] * c->dmin[i];
@@ -215,7 +217,7 @@ typedef struct {
     const int64_t *uniq, *bounds, *order, *rows;
     int64_t n_groups, tiles_per_group;
     const float *x;      /* f32: [R, n_in] */
-    const int8_t *xq;    /* ds4: [R, n_in] */
+    const int16_t *xq;   /* ds4: [R, n_in], the Q8_K codes widened */
     const float *xd;     /* ds4: [R, nb] */
     const int32_t *bsums;/* ds4: [R, n_in / 16] */
     const uint64_t *signed_grid;
@@ -236,16 +238,18 @@ static void *worker(void *argp) {
     size_t nsub = (size_t)nb * 16;
     row_codes c[TILE];
     int8_t *qbuf = malloc((size_t)TILE * n_in);
+    int16_t *wbuf16 = j->ds4 ? malloc(sizeof(int16_t) * TILE * (size_t)n_in) : NULL;
     int32_t *ibuf = malloc(sizeof(int32_t) * TILE * nsub * 2);
     float *fbuf = malloc(sizeof(float) * TILE * (size_t)nb * 2);
     float *wbuf = j->ds4 ? NULL : malloc(sizeof(float) * TILE * (size_t)n_in);
-    if (!qbuf || !ibuf || !fbuf || (!j->ds4 && !wbuf)) {
-        free(qbuf); free(ibuf); free(fbuf); free(wbuf);
+    if (!qbuf || !ibuf || !fbuf || (!j->ds4 && !wbuf) || (j->ds4 && !wbuf16)) {
+        free(qbuf); free(wbuf16); free(ibuf); free(fbuf); free(wbuf);
         a->failed = 1;
         return NULL;
     }
     for (int r = 0; r < TILE; r++) {
         c[r].q = qbuf + (size_t)r * n_in;
+        c[r].w = wbuf16 ? wbuf16 + (size_t)r * n_in : NULL;
         c[r].sc = ibuf + (size_t)r * nsub * 2;
         c[r].mn = c[r].sc + nsub;
         c[r].d = fbuf + (size_t)r * nb * 2;
@@ -260,13 +264,16 @@ static void *worker(void *argp) {
         for (int r = 0; r < nr; r++) {
             const uint8_t *row = slab + (int64_t)(r0 + r) * j->row_stride;
             decode_row(j->qtype, row, nb, j->signed_grid, &c[r]);
-            if (!j->ds4) dequant_row(j->qtype, nb, &c[r], row, wbuf + (size_t)r * n_in);
+            if (j->ds4)
+                scale_codes(j->qtype, nb, &c[r]);
+            else
+                dequant_row(j->qtype, nb, &c[r], row, wbuf + (size_t)r * n_in);
         }
         for (int64_t k = j->bounds[g]; k < j->bounds[g + 1]; k++) {
             const int64_t p = j->order[k], xr = j->rows[p];
             float *yp = j->y + p * j->out_dim + r0;
             if (j->ds4) {
-                const int8_t *xq = j->xq + xr * n_in;
+                const int16_t *xq = j->xq + xr * n_in;
                 const float *xd = j->xd + xr * nb;
                 const int32_t *bs = j->bsums + xr * (n_in / 16);
                 for (int r = 0; r < nr; r++) yp[r] = ds4_dot(j->qtype, nb, &c[r], xq, xd, bs);
@@ -276,7 +283,7 @@ static void *worker(void *argp) {
             }
         }
     }
-    free(qbuf); free(ibuf); free(fbuf); free(wbuf);
+    free(qbuf); free(wbuf16); free(ibuf); free(fbuf); free(wbuf);
     return NULL;
 }
 
@@ -335,7 +342,12 @@ int ds4n_ds4_pairs(int qtype, const uint8_t *base, int64_t expert_stride, int64_
     if (rc) return rc;
     /* sums of 16 activation codes (Q8_K's bsums), shared by every pair of a row */
     int32_t *bsums = malloc(sizeof(int32_t) * (size_t)(n_rows > 0 ? n_rows : 1) * (n_in / 16));
-    if (!bsums) return -1;
+    int16_t *x16 = malloc(sizeof(int16_t) * (size_t)(n_rows > 0 ? n_rows : 1) * n_in);
+    if (!bsums || !x16) {
+        free(bsums); free(x16);
+        return -1;
+    }
+    for (int64_t l = 0; l < n_rows * n_in; l++) x16[l] = xq[l];
     for (int64_t r = 0; r < n_rows; r++)
         for (int s = 0; s < n_in / 16; s++) {
             int32_t acc = 0;
@@ -343,8 +355,9 @@ int ds4n_ds4_pairs(int qtype, const uint8_t *base, int64_t expert_stride, int64_
             bsums[r * (n_in / 16) + s] = acc;
         }
     job j = {qtype, out_dim, n_in, n_in / QK_K, 1, base, expert_stride, row_stride, uniq, bounds, order, rows,
-             n_groups, (out_dim + TILE - 1) / TILE, NULL, xq, xd, bsums, signed_grid, y, n_threads};
+             n_groups, (out_dim + TILE - 1) / TILE, NULL, x16, xd, bsums, signed_grid, y, n_threads};
     rc = run(&j);
     free(bsums);
+    free(x16);
     return rc;
 }
