@@ -166,7 +166,7 @@ def test_default_is_batch_and_thread_invariant(lib, qtype, monkeypatch):
     """A pair's output has the same bits alone or among 40 pairs, and on 1 or 3 threads: what the
     model's chunked-prefill == whole-prefill == decode invariants rest on."""
     rng = np.random.default_rng(5 + int(qtype))
-    n_in, out_dim = 1024, 37
+    n_in, out_dim = 1024, 165  # 40 pairs: enough work for 3 threads (WORK_PER_THREAD in experts.c)
     raw = blocks(rng, qtype, 6, out_dim, n_in)
     ids = rng.integers(0, 6, size=(10, 4))
     x = rng.standard_normal((10, 4, n_in)).astype(np.float32)
