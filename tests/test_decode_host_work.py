@@ -63,7 +63,8 @@ def test_pair_order_expert_path_is_bit_identical(kx):
     rng = np.random.default_rng(9 + kx)
     n_exp, out_dim, n_in, k = 10, 64, 256, 4
     raw = q2_k_random_blocks(rng, n_exp * out_dim, 0.05).reshape(n_exp, out_dim, -1)
-    w = ex.ExpertWeights("t.ffn_gate_exps.weight", ex.GGMLType.Q2_K, raw, n_in, backend="cpu", use_kernels=False)
+    w = ex.ExpertWeights("t.ffn_gate_exps.weight", ex.GGMLType.Q2_K, raw, n_in, backend="cpu", use_kernels=False,
+                          native=False)  # the MLX path's grouping (native: tests/test_native_experts.py)
     w.cache = ex.ExpertCache(1 << 24)
     for trial in range(6):
         ids = rng.choice(n_exp, (1, k), replace=False)  # unsorted: grouping permutes the pairs

@@ -104,6 +104,7 @@ def inspect_file(f: GGUFFile) -> dict[str, Any]:
         "routed_quant_bits": layout.routed_quant_bits if layout else routed_quant_bits(f),
         "layout": layout.to_dict() if layout else None,
         "blas": blas_status(),
+        "native_experts": native_status(),
     }
 
 
@@ -127,6 +128,16 @@ def _json_scalar(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         return repr(v)  # JSON has no NaN/inf
     return v
+
+
+def native_status() -> Any:
+    """``ds4_mlx.native.status(probe=True)``: whether the host expert path runs native code, and why not."""
+    try:
+        from ds4_mlx import native
+
+        return native.status(probe=True)
+    except Exception as exc:  # a diagnostic must not take inspect down
+        return {"error": f"ds4_mlx.native.status() failed: {type(exc).__name__}: {exc}"}
 
 
 def blas_status() -> Any:
@@ -237,4 +248,5 @@ def format_text(info: dict[str, Any], show_tensors: bool = True) -> str:
             w(f"routed experts: {info['routed_quant_bits']}-bit (from blk.0.ffn_gate_exps)")
     blas = info["blas"]
     w(f"blas: {json.dumps(blas, ensure_ascii=False) if blas is not None else 'not available (ds4_mlx.blas missing)'}")
+    w(f"native experts: {json.dumps(info['native_experts'], ensure_ascii=False)}")
     return "\n".join(out) + "\n"

@@ -3,9 +3,16 @@
 A 3-D GGUF expert tensor is ``(n_expert, out, in)`` with expert ``e`` one contiguous slab of ``out`` rows
 [tensor_expert_bytes]. A call gathers the unique expert ids, copies just their slabs out of the mmap
 (``np.take``) and multiplies token-expert pairs grouped by expert: one GEMM per active expert for a
-prefill batch, k matrix-vector products for a decoded token. Counters: ``bytes_read`` (bytes copied out
-of the mmap) and ``bytes_selected`` (GGUF bytes of the distinct experts selected, i.e. what a kernel
-streams), ``calls``, ``pairs``.
+prefill batch, k matrix-vector products for a decoded token. Counters: ``bytes_read`` (bytes of the
+mmap the call read: slabs copied out, or read in place by the native code) and ``bytes_selected`` (GGUF
+bytes of the distinct experts selected, i.e. what a kernel streams), ``calls``, ``pairs``.
+
+NATIVE (``ds4_mlx.native``, the default on the host when a C compiler is there): both numerics below are
+computed by C code reading the selected experts' blocks in place from the mmap: no copy, no float32
+expert matrices, no cache. Its ds4-cpu results are the MLX-ops path's bit for bit; its default results
+use its own (fixed, batch-independent) summation order, so they differ from the MLX path's in the last
+bits. The MLX-ops paths below stay as the reference twins and the fallback (``DS4_MLX_NATIVE=off``, no
+compiler, a subclass that reads its slabs from somewhere else than ``raw``).
 
 DEFAULT numerics: float activations x dequantized weights. On Metal (``use_kernels``) the custom kernels of
 ``metal_kernels`` read the raw blocks; otherwise the selected experts are dequantized with the MLX-ops
@@ -37,10 +44,12 @@ from collections import OrderedDict
 import numpy as np
 import mlx.core as mx
 
-from ds4_mlx.errors import LayoutError
+from ds4_mlx.errors import InferenceError, LayoutError
 from ds4_mlx.formats.ggml_types import BLOCK_GEOMETRY, GGMLType
 from ds4_mlx.formats.iq2xxs_tables import grid_bytes, sign_bits
+from ds4_mlx.formats.quants import SIGNED_GRID_WORDS
 from ds4_mlx.formats.quants_mlx import dequantize_rows_mlx, quantize_q8_k_activation_mlx
+from ds4_mlx import native
 from ds4_mlx.model import metal_kernels
 from ds4_mlx.model.linear import Backend, resolve_backend
 from ds4_mlx.model.ops import DS4_CHUNK_ELEMENTS, chunks
@@ -256,6 +265,7 @@ class ExpertWeights:
         n_in: int,
         backend: "Backend | str | None" = None,
         use_kernels: bool | None = None,
+        native: bool | None = None,
     ):
         qtype = GGMLType(qtype)
         if qtype not in self.SUPPORTED_TYPES:
@@ -274,6 +284,8 @@ class ExpertWeights:
         if use_kernels is None:
             use_kernels = self.backend is Backend.METAL and metal_kernels.available()
         self.use_kernels = bool(use_kernels)
+        # None: the native library when it builds (decided at the first host call), False: the MLX path
+        self.native = native
         self.cache = EXPERT_CACHE
         self._key = next(_instance_ids)
         self.reset_counters()
@@ -298,6 +310,39 @@ class ExpertWeights:
         self.bytes_selected = 0
         self.calls = 0
         self.pairs = 0
+
+    def _native_lib(self):
+        """The native library for this tensor's host calls, or None for the MLX-ops path. Only a tensor
+        whose slabs are ``raw`` itself (``_read`` not overridden: not the device strategy) goes native."""
+        if self.native is False or type(self)._read is not ExpertWeights._read:
+            return None
+        if self.raw.dtype != np.uint8 or self.raw.strides[2] != 1:
+            return None  # the C code walks whole rows of bytes; any other view takes the MLX path
+        lib = native.library()
+        if lib is None and self.native:
+            raise InferenceError(f"tensor {self.name!r}: native experts requested but unavailable "
+                               f"({native.status()['reason']})")
+        return lib
+
+    def _native_pairs(self, lib, uniq: np.ndarray, x_rows: mx.array, slot: np.ndarray, rows: np.ndarray,
+                      ds4: bool) -> mx.array:
+        """The pairs through the native library, reading the slabs of ``uniq`` in place."""
+        _, out_dim, n_in = self.shape
+        order = np.argsort(slot, kind="stable")
+        bounds = np.searchsorted(slot[order], np.arange(uniq.size + 1))
+        self.bytes_read += int(uniq.size) * self.expert_nbytes  # read in place, once each
+        # One host read per call (the ids are on the host already): a decode step's syncs stay
+        # 1 + routed layers * (1 + 3 expert calls).
+        if ds4:
+            xq, xd = quantize_q8_k_activation_mlx(x_rows)
+            # codes and scales in one read: the scales' bytes ride behind each row's codes
+            both = np.asarray(mx.concatenate([xq, mx.view(xd, mx.int8)], axis=1))
+            y = native.pairs_ds4(lib, int(self.qtype), self.raw, n_in, uniq, bounds, order, rows,
+                                 both[:, :n_in], both[:, n_in:].view(np.float32), SIGNED_GRID_WORDS)
+        else:
+            y = native.pairs_f32(lib, int(self.qtype), self.raw, n_in, uniq, bounds, order, rows,
+                                 np.asarray(x_rows), SIGNED_GRID_WORDS)
+        return mx.array(y)
 
     def _read(self, experts: np.ndarray) -> np.ndarray:
         """Copy the slabs of ``experts`` out of the mmap (only their bytes are touched)."""
@@ -363,6 +408,9 @@ class ExpertWeights:
         """``expert_matmul_dense`` over groups of experts holding at most DENSE_GROUP_BYTES of float32
         weights each, evaluated one group at a time. Every expert still sees exactly its own pairs in
         the same order, so the GEMMs (and the bits) are those of the ungrouped call."""
+        lib = self._native_lib()
+        if lib is not None:
+            return self._native_pairs(lib, uniq, x_rows, slot, rows, ds4=False)
         per_expert = self.shape[1] * self.shape[2] * 4
         group = max(1, DENSE_GROUP_BYTES // per_expert)
         if uniq.size <= group and uniq.size == slot.size:
@@ -391,6 +439,9 @@ class ExpertWeights:
     # -- DS4_CPU ------------------------------------------------------------------------------------
 
     def _ds4_cpu_pairs(self, uniq: np.ndarray, x_rows: mx.array, slot: np.ndarray, rows: np.ndarray) -> mx.array:
+        lib = self._native_lib()
+        if lib is not None:
+            return self._native_pairs(lib, uniq, x_rows, slot, rows, ds4=True)
         return self._ds4_pairs(mx.array(self._read(uniq)), x_rows, slot, rows)
 
     def _ds4_pairs(self, slabs: mx.array, x_rows: mx.array, slot: np.ndarray, rows: np.ndarray) -> mx.array:

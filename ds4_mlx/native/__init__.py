@@ -1,0 +1,259 @@
+"""Native routed-expert products for the host expert strategy: build at first use, load with ctypes.
+
+``experts.c`` (shipped as package data) computes token-expert pairs straight from the quantized blocks
+of the mmapped GGUF tensor; ``ds4_mlx.model.experts.ExpertWeights`` calls it instead of copying the
+selected slabs out and dequantizing them with MLX ops (see experts.c for the arithmetic). The MLX-ops
+path stays as the reference twin and the fallback.
+
+Built on first use, not at import: the source is compiled with ``$CC`` (else ``cc``) into
+``$XDG_CACHE_HOME/ds4-mlx/native/<hash>/`` (``~/.cache`` when unset), the hash covering the source,
+the flags, the compiler's version line and the machine (so a cache shared between hosts never hands
+one CPU a library built for another). The build writes a temporary name and renames it into place,
+so concurrent first uses never load a half-written file.
+
+``DS4_MLX_NATIVE``: ``auto`` (default: build and use it) or ``off`` (the MLX path). Without a
+compiler, or when the build fails, a one-line ``NativeWarning`` is issued once and the MLX path
+runs; ``status()`` says why. ``DS4_MLX_NATIVE_THREADS``: threads per call (default: the CPUs this
+process may use, at most 8); results do not depend on it.
+
+Flags: ``-O3 -ffp-contract=off`` and never ``-ffast-math``, because contracting ``a*b+c`` into one
+fused multiply-add or reassociating a sum changes bits (ds4-cpu numerics are bit-exact).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shlex
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+ENV_VAR = "DS4_MLX_NATIVE"
+THREADS_VAR = "DS4_MLX_NATIVE_THREADS"
+SOURCE = Path(__file__).with_name("experts.c")
+ABI = 1
+BASE_FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-fast-math")
+TUNE_FLAGS = ("-march=native",)  # tried first; dropped if the compiler refuses it
+BUILD_TIMEOUT_S = 120
+
+
+class NativeWarning(RuntimeWarning):
+    """The native expert library could not be built or loaded; the MLX path runs instead."""
+
+
+_lock = threading.Lock()
+_state: dict[str, object] = {"enabled": False, "reason": "not attempted", "path": None}
+_lib: list[ctypes.CDLL] = []
+
+
+def _setting() -> str:
+    value = os.environ.get(ENV_VAR, "auto").strip().lower()
+    return "off" if value in ("off", "0", "no", "false") else "auto"
+
+
+def threads() -> int:
+    """Threads per native call: ``DS4_MLX_NATIVE_THREADS`` or the usable CPUs (at most 8)."""
+    text = os.environ.get(THREADS_VAR, "").strip()
+    if text:
+        try:
+            n = int(text)
+        except ValueError:
+            n = 0
+        if n >= 1:
+            return min(n, 64)
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    return max(1, min(n, 8))
+
+
+def _compiler() -> list[str]:
+    return shlex.split(os.environ.get("CC", "").strip() or "cc")
+
+
+def _machine_id() -> str:
+    """What the -march=native code depends on: the architecture and, on Linux, the CPU's model and flags."""
+    parts = [platform.system(), platform.machine()]
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key = line.split(":", 1)[0].strip()
+                if key in ("model name", "flags", "Features", "CPU implementer", "CPU part"):
+                    parts.append(line.strip())
+                if line.strip() == "":
+                    break  # the first processor is enough
+    except OSError:
+        pass
+    return "\n".join(parts)
+
+
+def _cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME", "").strip()
+    return (Path(base) if base else Path.home() / ".cache") / "ds4-mlx" / "native"
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+
+
+def _first_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return lines[0][:200] if lines else "(no message)"
+
+
+def _build() -> tuple[ctypes.CDLL | None, str, str | None]:
+    """(library, reason, path): compile (or reuse) and load; never raises."""
+    cc = _compiler()
+    try:
+        version = _run([*cc, "--version"])
+    except (OSError, subprocess.SubprocessError) as exc:
+        return None, f"no C compiler ({shlex.join(cc)}: {exc})", None
+    if version.returncode != 0:
+        return None, f"C compiler {shlex.join(cc)} does not run: {_first_line(version.stderr + version.stdout)}", None
+    try:
+        source = SOURCE.read_bytes()
+    except OSError as exc:
+        return None, f"cannot read {SOURCE}: {exc}", None
+    compiler_id = _first_line(version.stdout + version.stderr)
+    last_error = "no flags tried"
+    for flags in (BASE_FLAGS + TUNE_FLAGS, BASE_FLAGS):
+        key = hashlib.sha256(b"\0".join([source, " ".join(cc).encode(), " ".join(flags).encode(),
+                                         compiler_id.encode(), _machine_id().encode()])).hexdigest()[:20]
+        out_dir = _cache_root() / key
+        path = out_dir / "libds4_experts.so"
+        if not path.exists():
+            try:
+                out_dir.mkdir(parents=True, exist_ok=True)
+                fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out_dir)
+                os.close(fd)
+            except OSError as exc:
+                return None, f"cannot write the build cache {out_dir}: {exc}", None
+            try:
+                res = _run([*cc, *flags, "-o", tmp, str(SOURCE)])
+                if res.returncode != 0:
+                    last_error = f"{shlex.join(cc)} failed: {_first_line(res.stderr + res.stdout)}"
+                    continue
+                os.replace(tmp, path)
+            except (OSError, subprocess.SubprocessError) as exc:
+                last_error = f"{shlex.join(cc)} failed: {exc}"
+                continue
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        try:
+            lib = ctypes.CDLL(str(path))
+            if lib.ds4n_abi() != ABI:
+                return None, f"{path}: ABI {lib.ds4n_abi()} is not {ABI}", None
+        except (OSError, AttributeError) as exc:
+            return None, f"cannot load {path}: {exc}", None
+        _declare(lib)
+        return lib, f"built with {compiler_id} ({' '.join(flags)})", str(path)
+    return None, last_error, None
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    common = [i32, p, i64, i64, i32, i32, i64, p, p, p, p]
+    lib.ds4n_f32_pairs.argtypes = [*common, p, p, p, i32]
+    lib.ds4n_f32_pairs.restype = i32
+    lib.ds4n_ds4_pairs.argtypes = [*common, i64, p, p, p, p, i32]
+    lib.ds4n_ds4_pairs.restype = i32
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded library, building it on the first call; None when off or unavailable (then
+    ``status()['reason']`` says why and a ``NativeWarning`` was issued once)."""
+    with _lock:
+        if _lib:
+            return _lib[0]
+        if _setting() == "off":
+            _state.update(enabled=False, reason=f"disabled by {ENV_VAR}=off", path=None)
+            return None
+        if _state["reason"] != "not attempted":
+            return None  # a failed build is not retried in this process
+        lib, reason, path = _build()
+        _state.update(enabled=lib is not None, reason=reason, path=path)
+        if lib is None:
+            warnings.warn(f"ds4-mlx native experts unavailable ({reason}); using the MLX path",
+                          NativeWarning, stacklevel=3)
+            return None
+        _lib.append(lib)
+        return lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def status(probe: bool = False) -> dict[str, object]:
+    """``enabled``, ``reason``, ``path`` (the cached library), ``threads``; with ``probe`` the build
+    is attempted first (``ds4-mlx inspect``), else the state so far is reported."""
+    if probe:
+        library()
+    elif _setting() == "off" and not _lib:
+        return {"enabled": False, "reason": f"disabled by {ENV_VAR}=off", "path": None, "threads": threads()}
+    return {**_state, "threads": threads()}
+
+
+def _reset_for_tests() -> None:
+    """Forget the loaded library and the outcome (tests of the fallback paths)."""
+    with _lock:
+        _lib.clear()
+        _state.update(enabled=False, reason="not attempted", path=None)
+
+
+# -- the calls ---------------------------------------------------------------------------------------
+
+def _i64(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+def _ptr(a: np.ndarray) -> int:
+    return a.ctypes.data
+
+
+def _check_raw(raw: np.ndarray) -> None:
+    if raw.dtype != np.uint8 or raw.ndim != 3 or raw.strides[2] != 1:
+        raise ValueError(f"native experts need uint8 [n_expert, out, row_bytes] blocks with contiguous rows, "
+                         f"got {raw.dtype} {raw.shape} strides {raw.strides}")
+
+
+def pairs_f32(lib: ctypes.CDLL, qtype: int, raw: np.ndarray, n_in: int, uniq: np.ndarray, bounds: np.ndarray,
+              order: np.ndarray, rows: np.ndarray, x: np.ndarray, signed_grid: np.ndarray) -> np.ndarray:
+    """Default numerics: y[p] = dequant(raw[e]) @ x[rows[p]] for the pairs of group g (expert uniq[g]):
+    order[bounds[g]:bounds[g+1]]. x float32 [R, n_in] -> float32 [P, out]."""
+    _check_raw(raw)
+    uniq, bounds, order, rows = _i64(uniq), _i64(bounds), _i64(order), _i64(rows)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    y = np.empty((rows.size, raw.shape[1]), dtype=np.float32)
+    rc = lib.ds4n_f32_pairs(int(qtype), _ptr(raw), raw.strides[0], raw.strides[1], raw.shape[1], n_in,
+                            uniq.size, _ptr(uniq), _ptr(bounds), _ptr(order), _ptr(rows), _ptr(x),
+                            _ptr(signed_grid), _ptr(y), threads())
+    if rc:
+        raise MemoryError(f"native expert product failed (code {rc})")
+    return y
+
+
+def pairs_ds4(lib: ctypes.CDLL, qtype: int, raw: np.ndarray, n_in: int, uniq: np.ndarray, bounds: np.ndarray,
+              order: np.ndarray, rows: np.ndarray, xq: np.ndarray, xd: np.ndarray,
+              signed_grid: np.ndarray) -> np.ndarray:
+    """ds4-cpu numerics: the same pairs with the Q8_K activation xq int8 [R, n_in], xd float32 [R, n_in/256]."""
+    _check_raw(raw)
+    uniq, bounds, order, rows = _i64(uniq), _i64(bounds), _i64(order), _i64(rows)
+    xq = np.ascontiguousarray(xq, dtype=np.int8)
+    xd = np.ascontiguousarray(xd, dtype=np.float32)
+    y = np.empty((rows.size, raw.shape[1]), dtype=np.float32)
+    rc = lib.ds4n_ds4_pairs(int(qtype), _ptr(raw), raw.strides[0], raw.strides[1], raw.shape[1], n_in,
+                            uniq.size, _ptr(uniq), _ptr(bounds), _ptr(order), _ptr(rows), xq.shape[0], _ptr(xq),
+                            _ptr(xd), _ptr(signed_grid), _ptr(y), threads())
+    if rc:
+        raise MemoryError(f"native expert product failed (code {rc})")
+    return y
