@@ -187,6 +187,34 @@ def test_pipeline_is_bit_identical_to_one_process(tiny_model_path, tmp_path, num
     assert one.read_bytes() == two.read_bytes()  # every logprob and logit, to the last bit
 
 
+_SPLIT_SCRIPT = """
+import sys
+from ds4_mlx.model import loader
+
+# Each rank weighs the layers differently (as ranks on different hosts may: one has no compiler
+# for the native experts, another another backend): rank 1 alone would put the cut at layer 2.
+def skewed(f, cfg, n, *args, **kwargs):
+    cut = 2 if int(__import__("os").environ["MLX_RANK"]) == 1 else 4
+    return [range(0, cut), range(cut, cfg.n_layer)]
+
+loader.resident_split = skewed
+m = loader.load(sys.argv[1], distributed="pipeline")
+print(f"rank {m.rank}: layers {[b.il for b in m.blocks]}", flush=True)
+if m.rank:
+    m.follow()
+else:
+    m.close()
+"""
+
+
+def test_every_rank_takes_rank_0s_split(tiny_model_path, tmp_path):
+    script = tmp_path / "split.py"
+    script.write_text(_SPLIT_SCRIPT)
+    r = _run(LAUNCH + ["-n", "2", "--backend", "ring", "--", sys.executable, str(script), str(tiny_model_path)])
+    lines = sorted(line for line in r.stdout.splitlines() if line.startswith("rank "))
+    assert lines == ["rank 0: layers [0, 1, 2, 3]", "rank 1: layers [4, 5]"], r.stdout + r.stderr
+
+
 _RANK_SCRIPT = """
 import sys
 import numpy as np

@@ -153,6 +153,18 @@ def _agree(group, checks: Sequence[tuple[str, str]]) -> None:
                                    f"(this rank: {value}); every rank must run the same command on the same model")
 
 
+def rank0s(group, values: Sequence[int]) -> list[int]:
+    """Rank 0's ``values`` on every rank (same length everywhere): for a choice all ranks must make
+    alike though each computes it from what its own host sees (the pipeline's split weighs what a
+    rank will hold, which depends on its backend and on whether it could build the native code)."""
+    mine = mx.array(np.asarray(values, dtype=np.int64))
+    try:
+        every = np.array(mx.distributed.all_gather(mine, group=group, stream=mx.cpu))
+    except RuntimeError as exc:
+        raise DistributedError(f"rank {group.rank()}: lost the connection to the other ranks: {exc}") from None
+    return [int(v) for v in every[:len(values)]]
+
+
 # -- the transport --------------------------------------------------------------------------------
 
 

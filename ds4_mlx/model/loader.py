@@ -12,6 +12,7 @@ import os
 import mlx.core as mx
 import numpy as np
 
+from ds4_mlx import native
 from ds4_mlx.errors import LayoutError
 from ds4_mlx.formats.config import ModelConfig
 from ds4_mlx.formats.gguf import GGUFFile
@@ -201,12 +202,16 @@ def resident_split(f: GGUFFile, cfg: ModelConfig, n_ranks: int, numerics: str | 
     ``ExpertCache.scale_default`` gives each rank its share (an explicit budget is not scaled, so a
     rank may hold all of it; spread the same way it still weighs each layer alike). Every input is
     the file, the options and the environment the launcher gives every rank, so all ranks compute
-    the same split."""
+    the same split; the loader still has every rank take rank 0's (``distributed.rank0s``), since
+    the environment can differ by host (a compiler for the native experts, the backend)."""
     mode = parse_numerics(numerics)
-    w = _Weights(f, backend, resolve_strategy(strategy))
+    strategy = resolve_strategy(strategy)
+    w = _Weights(f, backend, strategy)
     routed = {n: int(f.tensor(n).nbytes) for n in f.tensors if tensor_kind(n) == "experts"}
     total = sum(routed.values())
     budget = EXPERT_CACHE.limit_bytes if EXPERT_CACHE.explicit else EXPERT_CACHE.default_bytes
+    if strategy == "host" and native.library() is not None:
+        budget = 0  # the native products read the blocks in place: the LRU never fills (ds4_mlx.native)
 
     def nbytes(name: str) -> int:
         lru = budget * routed[name] // total if name in routed else 0
@@ -249,6 +254,8 @@ def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend:
                 model = _build(f, cfg, mode, backend, strategy, group=group, experts=owned)
             else:
                 ranges = resident_split(f, cfg, group.size(), mode, backend, strategy)
+                cuts = dist.rank0s(group, [r.start for r in ranges] + [ranges[-1].stop])
+                ranges = [range(a, b) for a, b in zip(cuts, cuts[1:])]
                 model = _build(f, cfg, mode, backend, strategy, group=group, layers=ranges[group.rank()])
         else:
             model = _build(f, cfg, mode, backend, strategy)
