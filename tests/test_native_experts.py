@@ -263,3 +263,40 @@ def test_build_is_cached_and_atomic(monkeypatch, tmp_path):
     assert native.library() is not None and native.status()["path"] == path
     assert os.stat(path).st_mtime_ns == stamp  # reused, not rebuilt
     assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == ["libds4_experts.so"]
+
+
+def test_unknown_setting_is_said_and_runs_the_mlx_path(monkeypatch):
+    monkeypatch.setenv(native.ENV_VAR, "of")
+    monkeypatch.setattr(native, "_warned", set())
+    native._reset_for_tests()
+    with pytest.warns(native.NativeWarning, match="DS4_MLX_NATIVE='of' is neither auto nor off"):
+        assert native.library() is None
+    assert native.status()["reason"] == "disabled by DS4_MLX_NATIVE=of"
+    monkeypatch.setenv(native.THREADS_VAR, "two")
+    with pytest.warns(native.NativeWarning, match="DS4_MLX_NATIVE_THREADS='two' is not a whole number"):
+        assert native.threads() >= 1
+
+
+@pytest.mark.parametrize("bad", ["expert", "row", "order", "bounds", "n_in"])
+def test_indices_the_c_code_would_trust_are_refused(lib, bad):
+    """Whatever a caller passes, the C code never reads outside the blocks or the activations."""
+    rng = np.random.default_rng(9)
+    qtype, n_in = GGMLType.Q2_K, 256
+    raw = blocks(rng, qtype, 3, 5, n_in)
+    x = rng.standard_normal((2, n_in)).astype(np.float32)
+    args = dict(uniq=np.array([0, 2]), bounds=np.array([0, 1, 2]), order=np.array([0, 1]), rows=np.array([0, 1]))
+    grid = np.zeros(256, np.uint64)
+    native.pairs_f32(lib, int(qtype), raw, n_in, x=x, signed_grid=grid, **args)  # the good call runs
+    n = n_in
+    if bad == "expert":
+        args["uniq"] = np.array([0, 3])
+    elif bad == "row":
+        args["rows"] = np.array([0, 2])
+    elif bad == "order":
+        args["order"] = np.array([0, -1])
+    elif bad == "bounds":
+        args["bounds"] = np.array([0, 1, 3])
+    else:
+        n = 512
+    with pytest.raises(ValueError, match="native experts"):
+        native.pairs_f32(lib, int(qtype), raw, n, x=x, signed_grid=grid, **args)

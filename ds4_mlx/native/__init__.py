@@ -35,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ds4_mlx.formats.ggml_types import BLOCK_GEOMETRY, GGMLType
+
 ENV_VAR = "DS4_MLX_NATIVE"
 THREADS_VAR = "DS4_MLX_NATIVE_THREADS"
 SOURCE = Path(__file__).with_name("experts.c")
@@ -53,9 +55,28 @@ _state: dict[str, object] = {"enabled": False, "reason": "not attempted", "path"
 _lib: list[ctypes.CDLL] = []
 
 
+_OFF = ("off", "0", "no", "false")
+_AUTO = ("", "auto", "on", "1", "yes", "true")
+
+
 def _setting() -> str:
+    """``auto`` or ``off``. Any other value is taken as ``off`` (the reference path) and said once:
+    a typo must not silently pick the path the user may have meant to leave."""
     value = os.environ.get(ENV_VAR, "auto").strip().lower()
-    return "off" if value in ("off", "0", "no", "false") else "auto"
+    if value in _AUTO:
+        return "auto"
+    if value not in _OFF:
+        _warn_once(f"{ENV_VAR}={os.environ.get(ENV_VAR)!r} is neither auto nor off: the MLX path runs")
+    return "off"
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, NativeWarning, stacklevel=3)
 
 
 def threads() -> int:
@@ -68,6 +89,7 @@ def threads() -> int:
             n = 0
         if n >= 1:
             return min(n, 64)
+        _warn_once(f"{THREADS_VAR}={text!r} is not a whole number >= 1: using the default")
     try:
         n = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -175,7 +197,7 @@ def library() -> ctypes.CDLL | None:
         if _lib:
             return _lib[0]
         if _setting() == "off":
-            _state.update(enabled=False, reason=f"disabled by {ENV_VAR}=off", path=None)
+            _state.update(enabled=False, reason=f"disabled by {ENV_VAR}={os.environ.get(ENV_VAR)}", path=None)
             return None
         if _state["reason"] != "not attempted":
             return None  # a failed build is not retried in this process
@@ -199,7 +221,8 @@ def status(probe: bool = False) -> dict[str, object]:
     if probe:
         library()
     elif _setting() == "off" and not _lib:
-        return {"enabled": False, "reason": f"disabled by {ENV_VAR}=off", "path": None, "threads": threads()}
+        return {"enabled": False, "reason": f"disabled by {ENV_VAR}={os.environ.get(ENV_VAR)}", "path": None,
+                "threads": threads()}
     return {**_state, "threads": threads()}
 
 
@@ -220,19 +243,35 @@ def _ptr(a: np.ndarray) -> int:
     return a.ctypes.data
 
 
-def _check_raw(raw: np.ndarray) -> None:
+def _check_call(qtype: int, raw: np.ndarray, n_in: int, uniq: np.ndarray, bounds: np.ndarray, order: np.ndarray,
+                rows: np.ndarray, x: np.ndarray) -> None:
+    """The C code trusts its indices: every one is checked here (a few small arrays), so no call can
+    read outside the blocks or the activations whatever its caller passes."""
     if raw.dtype != np.uint8 or raw.ndim != 3 or raw.strides[2] != 1:
         raise ValueError(f"native experts need uint8 [n_expert, out, row_bytes] blocks with contiguous rows, "
                          f"got {raw.dtype} {raw.shape} strides {raw.strides}")
+    elems, block_bytes = BLOCK_GEOMETRY[GGMLType(qtype)]
+    if x.ndim != 2 or x.shape[1] != n_in or n_in % elems or raw.shape[2] < n_in // elems * block_bytes:
+        raise ValueError(f"native experts: {n_in} inputs do not fit blocks of {raw.shape[2]} bytes a row "
+                         f"and activations of shape {x.shape}")
+    n_rows = x.shape[0]
+    P = rows.size
+    if (bounds.size != uniq.size + 1 or (bounds.size and (bounds[0] != 0 or bounds[-1] != order.size))
+            or np.any(np.diff(bounds) < 0) or order.size != P):
+        raise ValueError(f"native experts: groups {bounds.tolist()} do not cover {P} pairs")
+    if uniq.size and (uniq.min() < 0 or uniq.max() >= raw.shape[0]):
+        raise ValueError(f"native experts: expert ids must be in [0, {raw.shape[0]})")
+    if P and (order.min() < 0 or order.max() >= P or rows.min() < 0 or rows.max() >= n_rows):
+        raise ValueError(f"native experts: pair or row index out of range ({P} pairs, {n_rows} rows)")
 
 
 def pairs_f32(lib: ctypes.CDLL, qtype: int, raw: np.ndarray, n_in: int, uniq: np.ndarray, bounds: np.ndarray,
               order: np.ndarray, rows: np.ndarray, x: np.ndarray, signed_grid: np.ndarray) -> np.ndarray:
     """Default numerics: y[p] = dequant(raw[e]) @ x[rows[p]] for the pairs of group g (expert uniq[g]):
     order[bounds[g]:bounds[g+1]]. x float32 [R, n_in] -> float32 [P, out]."""
-    _check_raw(raw)
     uniq, bounds, order, rows = _i64(uniq), _i64(bounds), _i64(order), _i64(rows)
     x = np.ascontiguousarray(x, dtype=np.float32)
+    _check_call(qtype, raw, n_in, uniq, bounds, order, rows, x)
     y = np.empty((rows.size, raw.shape[1]), dtype=np.float32)
     rc = lib.ds4n_f32_pairs(int(qtype), _ptr(raw), raw.strides[0], raw.strides[1], raw.shape[1], n_in,
                             uniq.size, _ptr(uniq), _ptr(bounds), _ptr(order), _ptr(rows), _ptr(x),
@@ -246,10 +285,10 @@ def pairs_ds4(lib: ctypes.CDLL, qtype: int, raw: np.ndarray, n_in: int, uniq: np
               order: np.ndarray, rows: np.ndarray, xq: np.ndarray, xd: np.ndarray,
               signed_grid: np.ndarray) -> np.ndarray:
     """ds4-cpu numerics: the same pairs with the Q8_K activation xq int8 [R, n_in], xd float32 [R, n_in/256]."""
-    _check_raw(raw)
     uniq, bounds, order, rows = _i64(uniq), _i64(bounds), _i64(order), _i64(rows)
     xq = np.ascontiguousarray(xq, dtype=np.int8)
     xd = np.ascontiguousarray(xd, dtype=np.float32)
+    _check_call(qtype, raw, n_in, uniq, bounds, order, rows, xq)
     y = np.empty((rows.size, raw.shape[1]), dtype=np.float32)
     rc = lib.ds4n_ds4_pairs(int(qtype), _ptr(raw), raw.strides[0], raw.strides[1], raw.shape[1], n_in,
                             uniq.size, _ptr(uniq), _ptr(bounds), _ptr(order), _ptr(rows), xq.shape[0], _ptr(xq),
