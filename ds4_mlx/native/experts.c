@@ -128,23 +128,15 @@ static void dequant_row(int qtype, int nb, const row_codes *c, const uint8_t *ro
                 float db = (c->d[i] * (0.5f + (float)(w >> 28))) * 0.25f;
                 for (int l = 0; l < 32; l++) o[32 * g + l] = (float)q[32 * g + l] * db;
             }
-        } else if (qtype == GGML_Q2_K) {
-            for (int j = 0; j < 16; j++) {
-                float dl = c->d[i] * (float)c->sc[i * 16 + j];
-                float ml = c->dmin[i] * (float)c->mn[i * 16 + j];
-                /* sub-block 8h + 2j' + s covers elements 128h + 32j' + 16s + [0, 16): i.e. 16 * index */
-                for (int l = 0; l < 16; l++) {
-                    float prod = (float)q[16 * j + l] * dl;
-                    o[16 * j + l] = prod - ml;
-                }
-            }
-        } else {
-            for (int j = 0; j < 8; j++) {
-                float ds = c->d[i] * (float)c->sc[i * 8 + j];
-                float dm = c->dmin[i] * (float)c->mn[i * 8 + j];
-                for (int l = 0; l < 32; l++) {
-                    float prod = (float)q[32 * j + l] * ds;
-                    o[32 * j + l] = prod - dm;
+        } else { /* K-quants: Q2_K has 16 sub-blocks of 16 (sub-block 8h + 2j' + s covers elements
+                  * 128h + 32j' + 16s + [0, 16), i.e. 16 * index), Q4_K 8 of 32 */
+            const int sub = qtype == GGML_Q2_K ? 16 : 32, ns = QK_K / sub;
+            for (int j = 0; j < ns; j++) {
+                float dl = c->d[i] * (float)c->sc[i * ns + j];
+                float ml = c->dmin[i] * (float)c->mn[i * ns + j];
+                for (int l = 0; l < sub; l++) {
+                    float prod = (float)q[sub * j + l] * dl;
+                    o[sub * j + l] = prod - ml;
                 }
             }
         }
