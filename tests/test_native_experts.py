@@ -35,9 +35,9 @@ def _have_compiler() -> bool:
 
 @pytest.fixture(autouse=True)
 def _fresh_native(monkeypatch):
-    """Each test sees the environment's default (native on) unless it changes it; the library state
-    is restored afterwards so a fallback test never leaves the process on the MLX path."""
-    monkeypatch.delenv(native.ENV_VAR, raising=False)
+    """Each test sees native switched on (DS4_MLX_NATIVE=on) unless it changes it; the library state
+    is restored afterwards so no test leaves the process on a path the next one did not choose."""
+    monkeypatch.setenv(native.ENV_VAR, "on")
     yield
     native._reset_for_tests()
 
@@ -184,8 +184,8 @@ def test_default_is_batch_and_thread_invariant(lib, qtype, monkeypatch):
     assert same_bits(np.array(a.ds4_cpu(mx.array(x), ids)), ds4_1)
 
 
-def test_native_is_what_runs_by_default(lib):
-    """With a compiler and no setting, a host tensor takes the native path (the MLX path would count
+def test_native_is_what_runs_when_on(lib):
+    """With a compiler and DS4_MLX_NATIVE=on, a host tensor takes the native path (the MLX path would count
     the same bytes; the library is what tells them apart) and the status says so."""
     rng = np.random.default_rng(3)
     raw = blocks(rng, GGMLType.Q2_K, 3, 4, 256)
@@ -269,7 +269,7 @@ def test_unknown_setting_is_said_and_runs_the_mlx_path(monkeypatch):
     monkeypatch.setenv(native.ENV_VAR, "of")
     monkeypatch.setattr(native, "_warned", set())
     native._reset_for_tests()
-    with pytest.warns(native.NativeWarning, match="DS4_MLX_NATIVE='of' is neither auto nor off"):
+    with pytest.warns(native.NativeWarning, match="DS4_MLX_NATIVE='of' is neither on nor off"):
         assert native.library() is None
     assert native.status()["reason"] == "disabled by DS4_MLX_NATIVE=of"
     monkeypatch.setenv(native.THREADS_VAR, "two")
@@ -300,3 +300,12 @@ def test_indices_the_c_code_would_trust_are_refused(lib, bad):
         n = 512
     with pytest.raises(ValueError, match="native experts"):
         native.pairs_f32(lib, int(qtype), raw, n, x=x, signed_grid=grid, **args)
+
+
+def test_off_by_default(monkeypatch):
+    monkeypatch.delenv(native.ENV_VAR)
+    native._reset_for_tests()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the default is a choice, not a failure: no warning
+        assert native.library() is None
+    assert native.status()["reason"] == "off by default (set DS4_MLX_NATIVE=on to use it)"

@@ -16,7 +16,7 @@ from ds4_mlx.formats.layout import load_model_file
 from ds4_mlx.model import loader, pipeline
 from ds4_mlx.model.device_experts import DeviceExpertWeights
 from ds4_mlx.model.experts import ExpertCache, ExpertWeights, routed_resident_nbytes
-from ds4_mlx.model.linear import DenseWeight, dense_resident_nbytes
+from ds4_mlx.model.linear import DenseWeight, dense_ds4_cpu_resident_nbytes, dense_resident_nbytes
 from test_linear import random_blocks
 
 OUT, IN = 96, 256  # nb = 8 Q8_0 blocks per row
@@ -48,7 +48,10 @@ def test_dense_estimate_is_what_a_product_allocates(qtype, numerics):
     x = mx.array(rng.standard_normal((3, IN)).astype(np.float32))
     mx.eval(w(x) if numerics == "default" else w.ds4_cpu(x))
     assert _built(w) > 0
-    assert w.resident_nbytes(numerics) == _built(w) == dense_resident_nbytes(qtype, w.shape, "cpu", numerics)
+    if numerics == "default":
+        assert w.resident_nbytes() == _built(w) == dense_resident_nbytes(qtype, w.shape, "cpu")
+    else:
+        assert w.ds4_cpu_resident_nbytes() == _built(w) == dense_ds4_cpu_resident_nbytes(qtype, w.shape)
     # the dense float32 forms are 4 bytes a value (Q8_0: ~3.8x its 34/32 bytes a value), ds4-cpu's F32 8
     per_value = 8 if (numerics, qtype) == ("ds4-cpu", GGMLType.F32) else 4
     extra = OUT * (IN // 32) * 4 if (numerics, qtype) == ("ds4-cpu", GGMLType.Q8_0) else 0
@@ -62,7 +65,7 @@ def test_dense_estimate_of_a_weight_used_by_row_slices():
     w = DenseWeight("w", GGMLType.Q8_0, _dense_raw(rng, GGMLType.Q8_0), IN, backend="cpu")
     x = mx.array(rng.standard_normal((2, IN)).astype(np.float32))
     mx.eval(w.rows(0, OUT // 2)(x), w.rows(OUT // 2, OUT)(x))
-    assert _built(w) == w.resident_nbytes("default")
+    assert _built(w) == w.resident_nbytes()
 
 
 @pytest.mark.parametrize("use_kernels", [False, True])
@@ -73,10 +76,10 @@ def test_dense_estimate_of_the_metal_forms(use_kernels):
     w = DenseWeight("w", GGMLType.Q8_0, _dense_raw(rng, GGMLType.Q8_0), IN, backend="metal",
                     use_kernels=use_kernels)
     mx.eval(w.blocks() if use_kernels else w.affine())
-    assert w.resident_nbytes("default") == _built(w)
+    assert w.resident_nbytes() == _built(w)
     f16 = DenseWeight("w", GGMLType.F16, _dense_raw(rng, GGMLType.F16), IN, backend="metal")
     mx.eval(f16.dense_t())  # what its product multiplies on Metal too
-    assert f16.resident_nbytes("default") == _built(f16) == 4 * OUT * IN
+    assert f16.resident_nbytes() == _built(f16) == 4 * OUT * IN
 
 
 @pytest.mark.parametrize("qtype", [GGMLType.IQ2_XXS, GGMLType.Q2_K, GGMLType.Q4_K])
@@ -88,30 +91,27 @@ def test_expert_estimate_is_what_the_lru_and_the_device_copy_hold(qtype):
     ids = np.arange(n_expert).reshape(n_expert, 1)  # every expert once
     f32 = 4 * n_expert * out_dim * n_in
 
-    def estimate(numerics, device, lru):
-        return routed_resident_nbytes(qtype, (n_expert, out_dim, n_in), numerics, device=device,
-                                      use_kernels=False, lru_bytes=lru)
+    def estimate(device, lru):
+        return routed_resident_nbytes(qtype, (n_expert, out_dim, n_in), device=device, lru_bytes=lru)
 
     for lru in (f32 + 1, f32 // 2, 0):  # room for all, for half, none
         e = ExpertWeights("e", qtype, raw, n_in, backend="cpu", use_kernels=False, native=False)
         e.cache = ExpertCache(lru)
         mx.eval(e(x, ids))
-        assert e.cache.nbytes == estimate("default", False, lru) == min(lru, f32)
+        assert e.cache.nbytes == estimate(False, lru) == min(lru, f32)
         if native.library() is not None:  # the native products read the blocks in place: resident_split's budget 0
             e = ExpertWeights("e", qtype, raw, n_in, backend="cpu", use_kernels=False, native=True)
             e.cache = ExpertCache(lru)
             mx.eval(e(x, ids))
-            assert e.cache.nbytes == estimate("default", False, 0) == 0
+            assert e.cache.nbytes == estimate(False, 0) == 0
         e.cache = ExpertCache(f32)
         mx.eval(e.ds4_cpu(x, ids))  # re-reads the mapping: keeps nothing
-        assert e.cache.nbytes == estimate("ds4-cpu", False, lru) == 0
+        assert e.cache.nbytes == 0  # the loader passes lru_bytes 0 for ds4-cpu
     d = DeviceExpertWeights("e", qtype, raw, n_in, backend="cpu", use_kernels=False)
     d.cache = ExpertCache(0)
-    assert d.resident_nbytes == raw.nbytes == estimate("ds4-cpu", True, f32) == estimate("default", True, 0)
-    assert estimate("default", True, f32) == raw.nbytes + f32  # a prefill chunk fills the LRU too
-    # the Metal kernels read the raw blocks: no LRU
-    assert routed_resident_nbytes(qtype, (n_expert, out_dim, n_in), "default", device=False, use_kernels=True,
-                                  lru_bytes=f32) == 0
+    assert d.resident_nbytes == raw.nbytes == estimate(True, 0)
+    assert estimate(True, f32) == raw.nbytes + f32  # a prefill chunk fills the LRU too
+    # the Metal kernels read the raw blocks: the loader passes them no LRU share (``_Weights.resident_nbytes``)
 
 
 # -- the loader's split ------------------------------------------------------------------------------

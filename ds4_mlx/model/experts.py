@@ -212,20 +212,18 @@ def routed_share(gguf_file, layers: range) -> float:
             own += nbytes
     return own / total if total else 1.0
 
-def routed_resident_nbytes(qtype: GGMLType | int, shape: tuple[int, int, int], numerics: str, *,
-                           device: bool, use_kernels: bool, lru_bytes: int) -> int:
+def routed_resident_nbytes(qtype: GGMLType | int, shape: tuple[int, int, int], *, device: bool,
+                           lru_bytes: int) -> int:
     """Bytes of memory an expert tensor (n_expert, out, in) holds beyond the mapping: its raw blocks
-    copied into MLX memory when ``device`` (``DeviceExpertWeights``), plus in DEFAULT numerics without
-    the raw-block kernels the dequantized float32 experts the LRU keeps, at most ``lru_bytes`` (the
-    tensor's share of ``EXPERT_CACHE``'s budget) and at most the whole tensor as float32. The host
-    strategy's slabs are copied out of the mapping per call, and DS4_CPU re-reads them: neither keeps
-    them. A pipeline split by these bytes (``model/pipeline.py``) weighs a layer by what it holds."""
+    copied into MLX memory when ``device`` (``DeviceExpertWeights``), plus the dequantized float32
+    experts the LRU keeps, at most ``lru_bytes`` (the tensor's share of ``EXPERT_CACHE``'s budget, 0
+    for an arithmetic that keeps none: ds4-cpu's and the native products re-read the mapping, the
+    raw-block kernels read the blocks) and at most the whole tensor as float32. A pipeline split by
+    these bytes (``model/pipeline.py``) weighs a layer by what it holds."""
     n_expert, out_dim, n_in = (int(d) for d in shape)
     elems, block_bytes = BLOCK_GEOMETRY[GGMLType(qtype)]
     resident = n_expert * out_dim * (n_in // elems) * block_bytes if device else 0
-    if numerics == "default" and not use_kernels:  # ``Numerics`` is a str enum
-        resident += min(int(lru_bytes), 4 * n_expert * out_dim * n_in)
-    return resident
+    return resident + min(int(lru_bytes), 4 * n_expert * out_dim * n_in)
 
 
 # Dequantized float32 weights alive at once in one call of the CPU path. A 2048-token prefill chunk

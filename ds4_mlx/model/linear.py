@@ -57,13 +57,14 @@ from ds4_mlx.formats.ggml_types import GGMLType
 from ds4_mlx.formats.quants import dequantize_rows
 from ds4_mlx.formats.quants_mlx import quantize_q8_0_activation_mlx
 from ds4_mlx.model import metal_kernels
-from ds4_mlx.model.ops import DS4_CHUNK_ELEMENTS, Numerics, as_numerics, chunks
+from ds4_mlx.model.ops import DS4_CHUNK_ELEMENTS, chunks
 
 __all__ = [
     "Backend",
     "DenseWeight",
     "default_backend",
     "dense_resident_nbytes",
+    "dense_ds4_cpu_resident_nbytes",
     "q8_0_to_affine",
     "resolve_backend",
 ]
@@ -182,28 +183,36 @@ def _sequential_outer_sum(w_cols: mx.array, x2: mx.array) -> mx.array:
 
 
 def dense_resident_nbytes(qtype: GGMLType | int, shape: tuple[int, int], backend: "Backend | str | None",
-                          numerics: "Numerics | str", use_kernels: bool = False) -> int:
+                          use_kernels: bool = False) -> int:
     """Bytes of MLX memory a root ``DenseWeight`` of this type and (out, in) shape holds once it has
-    multiplied in ``numerics`` on ``backend`` (its cached form; the GGUF bytes stay in the mapping).
+    multiplied (``w(x)``) on ``backend`` (its cached form; the GGUF bytes stay in the mapping).
+    ``dense_ds4_cpu_resident_nbytes`` is the same for ``w.ds4_cpu(x)``: two functions, like the two
+    arithmetics, so the numerics stay bound in one place (the loader picks).
 
-    One branch per form the multiplication paths build (``_fast_matmul``, ``_ds4_matmul``), so a
-    pipeline split by these bytes sees what a rank will hold: on the CPU backend a Q8_0 weight is
-    ~3.8x its GGUF bytes (float32), an F16 one 2x. ``test_linear`` builds every form and compares its
+    One branch per form the multiplication paths build (``_fast_matmul``), so a pipeline split by
+    these bytes sees what a rank will hold: on the CPU backend a Q8_0 weight is ~3.8x its GGUF bytes
+    (float32), an F16 one 2x. ``tests/test_pipeline_split.py`` builds every form and compares its
     ``nbytes`` with this figure, so the two cannot drift apart silently.
     """
     qtype = GGMLType(qtype)
     out_dim, n_in = (int(shape[0]), int(shape[1]))
     elems = out_dim * n_in
     nb = n_in // QK8_0
-    if as_numerics(numerics) is Numerics.DS4_CPU:
-        if qtype == GGMLType.Q8_0:  # ``_ds4_q8_0``: int8 codes as float32 + the block scales as float32
-            return 4 * elems + 4 * nb * out_dim
-        return (8 if qtype == GGMLType.F32 else 4) * elems  # ``_ds4_columns``: float64 for F32, else float32
     if resolve_backend(backend) is Backend.METAL and qtype == GGMLType.Q8_0:
         if use_kernels:  # ``blocks``: the raw GGUF rows
             return nb * 34 * out_dim
         return elems + 2 * 4 * nb * out_dim  # ``affine``: 8-bit codes, float32 scales and biases
     return 4 * elems  # ``dense_t`` (or ``dense`` for a weight used by row slices): float32
+
+
+def dense_ds4_cpu_resident_nbytes(qtype: GGMLType | int, shape: tuple[int, int]) -> int:
+    """``dense_resident_nbytes`` for ds4-cpu's arithmetic (``_ds4_matmul``'s cached forms)."""
+    qtype = GGMLType(qtype)
+    out_dim, n_in = (int(shape[0]), int(shape[1]))
+    elems = out_dim * n_in
+    if qtype == GGMLType.Q8_0:  # ``_ds4_q8_0``: int8 codes as float32 + the block scales as float32
+        return 4 * elems + 4 * (n_in // QK8_0) * out_dim
+    return (8 if qtype == GGMLType.F32 else 4) * elems  # ``_ds4_columns``: float64 for F32, else float32
 
 
 class DenseWeight:
@@ -265,9 +274,13 @@ class DenseWeight:
         """Bytes of the weight as stored in the GGUF."""
         return int(self.raw.nbytes)
 
-    def resident_nbytes(self, numerics: "Numerics | str") -> int:
-        """``dense_resident_nbytes`` of this weight: what its cached form holds in MLX memory."""
-        return dense_resident_nbytes(self.qtype, self.shape, self.backend, numerics, self.use_kernels)
+    def resident_nbytes(self) -> int:
+        """``dense_resident_nbytes`` of this weight: what its cached form for ``w(x)`` holds."""
+        return dense_resident_nbytes(self.qtype, self.shape, self.backend, self.use_kernels)
+
+    def ds4_cpu_resident_nbytes(self) -> int:
+        """The same for ``w.ds4_cpu(x)``."""
+        return dense_ds4_cpu_resident_nbytes(self.qtype, self.shape)
 
     def rows(self, start: int, stop: int) -> "DenseWeight":
         """The weight restricted to output rows [start, stop); shares this weight's caches."""

@@ -81,20 +81,24 @@ class _Weights:
     def has(self, name: str) -> bool:
         return name in self.f.tensors
 
-    def resident_nbytes(self, name: str, numerics: Numerics, lru_bytes: int = 0) -> int:
+    def resident_nbytes(self, name: str, numerics: str | Numerics, lru_bytes: int = 0) -> int:
         """Bytes tensor ``name`` will hold in memory once used in ``numerics`` (beyond the mapping),
         decided by the same classes that build it: ``DenseWeight.resident_nbytes`` for a dense
         weight (its backend resolved as when built), ``routed_resident_nbytes`` for routed experts
         (``lru_bytes``: the tensor's share of the expert LRU), 4 per element for the float32 arrays,
         0 for the mmap views (the embedding is gathered row by row, never resident as a whole)."""
         kind = tensor_kind(name)
+        numerics = parse_numerics(numerics)
         try:
             if kind == "dense":
-                return DenseWeight.from_gguf(self.f, name, **self.kw).resident_nbytes(numerics)
+                w = DenseWeight.from_gguf(self.f, name, **self.kw)
+                return w.ds4_cpu_resident_nbytes() if numerics is Numerics.DS4_CPU else w.resident_nbytes()
             if kind == "experts":
                 e = ExpertWeights.from_gguf(self.f, name, **self.kw)  # a view; decides use_kernels as built
-                return routed_resident_nbytes(e.qtype, e.shape, numerics, device=self.strategy == "device",
-                                              use_kernels=e.use_kernels, lru_bytes=lru_bytes)
+                # only DEFAULT's dequantized path fills the LRU (ds4-cpu re-reads, the kernels read blocks)
+                keeps = numerics is Numerics.DEFAULT and not e.use_kernels
+                return routed_resident_nbytes(e.qtype, e.shape, device=self.strategy == "device",
+                                              lru_bytes=lru_bytes if keeps else 0)
         except LayoutError:
             # not a tensor the model takes in this form (an extra tensor the loader ignores): it
             # holds nothing; if the model does need it, building the rank fails with this error

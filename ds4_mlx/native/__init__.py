@@ -11,7 +11,10 @@ the flags, the compiler's version line and the machine (so a cache shared betwee
 one CPU a library built for another). The build writes a temporary name and renames it into place,
 so concurrent first uses never load a half-written file.
 
-``DS4_MLX_NATIVE``: ``auto`` (default: build and use it) or ``off`` (the MLX path). Without a
+``DS4_MLX_NATIVE``: ``on`` (build and use it) or ``off`` (the default for now: the MLX path). Off by
+default until a hang is understood: with it on, a Ctrl-C during generation, or a rank killed during an
+expert-parallel run, sometimes leaves the process waiting for ever on an MLX evaluation whose CPU stream
+is idle (seen in ~1 of 3 tries on a loaded 2-core box; never with it off). With ``on``, without a
 compiler, or when the build fails, a one-line ``NativeWarning`` is issued once and the MLX path
 runs; ``status()`` says why. ``DS4_MLX_NATIVE_THREADS``: threads per call (default: the CPUs this
 process may use, at most 8); results do not depend on it.
@@ -55,19 +58,24 @@ _state: dict[str, object] = {"enabled": False, "reason": "not attempted", "path"
 _lib: list[ctypes.CDLL] = []
 
 
-_OFF = ("off", "0", "no", "false")
-_AUTO = ("", "auto", "on", "1", "yes", "true")
+_OFF = ("", "off", "0", "no", "false")
+_AUTO = ("auto", "on", "1", "yes", "true")
 
 
 def _setting() -> str:
-    """``auto`` or ``off``. Any other value is taken as ``off`` (the reference path) and said once:
-    a typo must not silently pick the path the user may have meant to leave."""
-    value = os.environ.get(ENV_VAR, "auto").strip().lower()
+    """``auto`` (on) or ``off`` (unset: the default, see the module docstring). Any other value is
+    taken as ``off`` (the reference path) and said once: a typo must not silently pick a path."""
+    value = os.environ.get(ENV_VAR, "").strip().lower()
     if value in _AUTO:
         return "auto"
     if value not in _OFF:
-        _warn_once(f"{ENV_VAR}={os.environ.get(ENV_VAR)!r} is neither auto nor off: the MLX path runs")
+        _warn_once(f"{ENV_VAR}={os.environ.get(ENV_VAR)!r} is neither on nor off: the MLX path runs")
     return "off"
+
+
+def _off_reason() -> str:
+    value = os.environ.get(ENV_VAR)
+    return f"disabled by {ENV_VAR}={value}" if value else f"off by default (set {ENV_VAR}=on to use it)"
 
 
 _warned: set[str] = set()
@@ -197,7 +205,7 @@ def library() -> ctypes.CDLL | None:
         if _lib:
             return _lib[0]
         if _setting() == "off":
-            _state.update(enabled=False, reason=f"disabled by {ENV_VAR}={os.environ.get(ENV_VAR)}", path=None)
+            _state.update(enabled=False, reason=_off_reason(), path=None)
             return None
         if _state["reason"] != "not attempted":
             return None  # a failed build is not retried in this process
@@ -221,7 +229,7 @@ def status(probe: bool = False) -> dict[str, object]:
     if probe:
         library()
     elif _setting() == "off" and not _lib:
-        return {"enabled": False, "reason": f"disabled by {ENV_VAR}={os.environ.get(ENV_VAR)}", "path": None,
+        return {"enabled": False, "reason": _off_reason(), "path": None,
                 "threads": threads()}
     return {**_state, "threads": threads()}
 
