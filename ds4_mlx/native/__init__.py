@@ -205,8 +205,7 @@ def library() -> ctypes.CDLL | None:
         if _lib:
             return _lib[0]
         if _setting() == "off":
-            _state.update(enabled=False, reason=_off_reason(), path=None)
-            return None
+            return None  # not an attempt: switched on later in the process, it builds then
         if _state["reason"] != "not attempted":
             return None  # a failed build is not retried in this process
         lib, reason, path = _build()
@@ -228,9 +227,8 @@ def status(probe: bool = False) -> dict[str, object]:
     is attempted first (``ds4-mlx inspect``), else the state so far is reported."""
     if probe:
         library()
-    elif _setting() == "off" and not _lib:
-        return {"enabled": False, "reason": _off_reason(), "path": None,
-                "threads": threads()}
+    if _setting() == "off" and not _lib:
+        return {"enabled": False, "reason": _off_reason(), "path": None, "threads": threads()}
     return {**_state, "threads": threads()}
 
 
