@@ -137,15 +137,21 @@ def _digest(value: str) -> int:
     return int.from_bytes(hashlib.blake2b(value.encode(), digest_size=8).digest(), "little", signed=True)
 
 
+def _gathered(group, values: Sequence[int], failed: str) -> np.ndarray:
+    """Every rank's int64 ``values`` (same length everywhere), as [ranks, len(values)]; a lost link is
+    a one-line ``DistributedError`` starting ``failed``."""
+    mine = mx.array(np.asarray(values, dtype=np.int64))
+    try:
+        every = np.array(mx.distributed.all_gather(mine, group=group, stream=mx.cpu))
+    except RuntimeError as exc:
+        raise DistributedError(f"rank {group.rank()}: {failed}: {exc}") from None
+    return every.reshape(group.size(), len(values))
+
+
 def _agree(group, checks: Sequence[tuple[str, str]]) -> None:
     """Every rank sends every other the digests of ``checks``; the first that differs from this
     rank's is a ``DistributedError`` (each rank raises its own line, all at once)."""
-    mine = np.array([_digest(value) for _, value in checks], dtype=np.int64)
-    try:
-        every = np.array(mx.distributed.all_gather(mx.array(mine), group=group, stream=mx.cpu))
-    except RuntimeError as exc:
-        raise DistributedError(f"rank {group.rank()}: the first message between the ranks failed: {exc}") from None
-    every = every.reshape(group.size(), len(checks))
+    every = _gathered(group, [_digest(value) for _, value in checks], "the first message between the ranks failed")
     for (what, value), column in zip(checks, every.T):
         other = next((r for r, d in enumerate(column) if d != column[group.rank()]), None)
         if other is not None:
@@ -157,12 +163,7 @@ def rank0s(group, values: Sequence[int]) -> list[int]:
     """Rank 0's ``values`` on every rank (same length everywhere): for a choice all ranks must make
     alike though each computes it from what its own host sees (the pipeline's split weighs what a
     rank will hold, which depends on its backend and on whether it could build the native code)."""
-    mine = mx.array(np.asarray(values, dtype=np.int64))
-    try:
-        every = np.array(mx.distributed.all_gather(mine, group=group, stream=mx.cpu))
-    except RuntimeError as exc:
-        raise DistributedError(f"rank {group.rank()}: lost the connection to the other ranks: {exc}") from None
-    return [int(v) for v in every[:len(values)]]
+    return [int(v) for v in _gathered(group, values, "lost the connection to the other ranks")[0]]
 
 
 # -- the transport --------------------------------------------------------------------------------
