@@ -9,7 +9,9 @@ reaches MLX results or hands data to MLX, and counts:
   through ``np.array`` / ``np.asarray`` / ``np.asanyarray`` / ``np.ascontiguousarray`` /
   ``np.frombuffer`` / ``np.copy`` (numpy reads MLX arrays through the buffer protocol, which has no
   Python hook: the numpy entry points are patched instead, so a conversion spelled otherwise, e.g.
-  ``memoryview(a)``, escapes; ds4_mlx spells them with these functions);
+  ``memoryview(a)``, escapes; ds4_mlx spells them with these functions). Converting the array the
+  last ``mx.eval`` just evaluated counts its bytes but not a second sync: that is how
+  ``ds4_mlx.model.host.to_host`` reads (evaluate, then copy), and the host waits once;
 * ``to_host_bytes``: bytes of the arrays those reads copy to the host;
 * ``to_device_bytes``: bytes handed to MLX by ``mx.array(...)`` from host data (numpy arrays,
   Python lists), i.e. host->MLX copies; ``mx.array`` of an MLX array copies nothing and is not counted.
@@ -58,12 +60,14 @@ class HostTraffic:
         self.by_kind: dict[str, int] = {}
         self.by_site: collections.Counter[tuple[str, str]] = collections.Counter()
         self._saved: list[tuple[object, str, object]] = []
+        self._just_evaluated: set[int] = set()
 
     @property
     def host_bytes(self) -> int:
         return self.to_host_bytes + self.to_device_bytes
 
     def _sync(self, kind: str, nbytes: int = 0) -> None:
+        self._just_evaluated = set()
         self.syncs += 1
         self.to_host_bytes += nbytes
         self.by_kind[kind] = self.by_kind.get(kind, 0) + 1
@@ -88,6 +92,8 @@ class HostTraffic:
         def wrap_eval(name, fn):
             def counted(*args, **kwargs):
                 counter._sync(name)
+                # ``ds4_mlx.model.host.to_host`` evaluates, then converts: one wait, not two
+                counter._just_evaluated = {id(a) for a in args if isinstance(a, _REAL_ARRAY)}
                 return fn(*args, **kwargs)
             return counted
 
@@ -108,7 +114,12 @@ class HostTraffic:
 
             def convert(obj, *args, _fn=fn, _name=name, **kwargs):
                 if isinstance(obj, _REAL_ARRAY):
-                    counter._sync(f"np.{_name}", int(obj.nbytes))
+                    if id(obj) in counter._just_evaluated:  # the copy after its own mx.eval
+                        counter._just_evaluated = set()
+                        counter.to_host_bytes += int(obj.nbytes)
+                        counter._site(f"np.{_name}")
+                    else:
+                        counter._sync(f"np.{_name}", int(obj.nbytes))
                 return _fn(obj, *args, **kwargs)
 
             self._patch(np, name, convert)

@@ -66,6 +66,7 @@ from ds4_mlx.engine.payload import PayloadError
 from ds4_mlx.engine.sampling import SamplingParams, TokenScore, XorShiftRng, argmax, sample, token_logprob, top_logprobs
 from ds4_mlx.errors import InferenceError
 from ds4_mlx.model.cache import ModelCache
+from ds4_mlx.model.host import to_host
 
 DEFAULT_CHUNK = 2048
 RESUME_PREFILL_MIN = 2
@@ -354,7 +355,7 @@ class Session:
         return payload_format.encode(
             self.config, model_id=self.model_id, ctx=self.ctx, chunk=self.chunk,
             numerics=getattr(getattr(self.model, "numerics", None), "value", "default"),
-            tokens=snap.tokens, logits=np.array(snap.logits, dtype=np.float32),
+            tokens=snap.tokens, logits=to_host(snap.logits, np.float32),
             arrays=self._whole(snap.state).to_numpy())
 
     def _whole(self, state: ModelCache) -> ModelCache:

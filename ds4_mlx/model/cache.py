@@ -46,6 +46,7 @@ import numpy as np
 
 from ds4_mlx.errors import InferenceError
 from ds4_mlx.formats.config import ModelConfig
+from ds4_mlx.model.host import to_host
 from ds4_mlx.model.numerics import EMPTY_SCORE
 
 MIN_CAPACITY = 4096  # tokens; a multiple of every compress ratio
@@ -523,7 +524,7 @@ class ModelCache:
         """Flat dict of float32 arrays (plus ``n_tokens``), keys ``layer.{il}.{raw|attn.rows|…}``."""
         d: dict[str, np.ndarray] = {"n_tokens": np.array(self.n_tokens, dtype=np.int64)}
         for spec, a in zip(self.layout(), self.state):
-            d[spec.key] = np.array(a, dtype=np.float32)
+            d[spec.key] = to_host(a, np.float32)
         return d
 
     @classmethod

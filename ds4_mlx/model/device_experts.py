@@ -40,6 +40,7 @@ from ds4_mlx.errors import LayoutError
 from ds4_mlx.formats.quants_mlx import dequantize_rows_mlx
 from ds4_mlx.model import metal_kernels
 from ds4_mlx.model.experts import ExpertWeights
+from ds4_mlx.model.host import to_host
 
 STRATEGIES = ("device", "host", "auto")
 
@@ -124,7 +125,7 @@ class DeviceExpertWeights(ExpertWeights):
         through ``ExpertWeights``' grouping on the host."""
         n_expert, out_dim, n_in = self.shape
         if not isinstance(ids, mx.array):
-            ids_np = np.asarray(ids)
+            ids_np = to_host(ids)
             if ids_np.size and (ids_np.min() < 0 or ids_np.max() >= n_expert):
                 raise LayoutError(f"tensor {self.name!r}: expert id outside 0..{n_expert - 1} "
                                   f"(got {int(ids_np.min())}..{int(ids_np.max())})")

@@ -57,6 +57,7 @@ import numpy as np
 from ds4_mlx.errors import DistributedError, InferenceError
 from ds4_mlx.model import join_watchdog
 from ds4_mlx.model.cache import LayerCache, ModelCache, capacity_for
+from ds4_mlx.model.host import to_host
 from ds4_mlx.model.transformer import Model
 
 MODES = ("pipeline", "experts")
@@ -142,7 +143,7 @@ def _gathered(group, values: Sequence[int], failed: str) -> np.ndarray:
     a one-line ``DistributedError`` starting ``failed``."""
     mine = mx.array(np.asarray(values, dtype=np.int64))
     try:
-        every = np.array(mx.distributed.all_gather(mine, group=group, stream=mx.cpu))
+        every = to_host(mx.distributed.all_gather(mine, group=group, stream=mx.cpu))
     except RuntimeError as exc:
         raise DistributedError(f"rank {group.rank()}: {failed}: {exc}") from None
     return every.reshape(group.size(), len(values))

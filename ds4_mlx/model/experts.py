@@ -51,6 +51,7 @@ from ds4_mlx.formats.quants import SIGNED_GRID_WORDS
 from ds4_mlx.formats.quants_mlx import dequantize_rows_mlx, quantize_q8_k_activation_mlx
 from ds4_mlx import native
 from ds4_mlx.model import metal_kernels
+from ds4_mlx.model.host import to_host
 from ds4_mlx.model.linear import Backend, resolve_backend
 from ds4_mlx.model.ops import DS4_CHUNK_ELEMENTS, chunks
 
@@ -237,7 +238,7 @@ def check_expert_call(name: str, shape: tuple[int, int, int], x: mx.array, ids) 
     """The ids of a call ``e(x, ids)`` on a ``shape`` = (n_expert, out, in) expert tensor as int64
     [T, k], after checking x [T, 1|k, in] and every id against the tensor (one-line ``LayoutError``)."""
     n_expert, _, n_in = shape
-    ids_np = np.asarray(ids).astype(np.int64, copy=False)
+    ids_np = to_host(ids).astype(np.int64, copy=False)
     if ids_np.ndim != 2:
         raise LayoutError(f"tensor {name!r}: expert ids must be [T, k], got shape {ids_np.shape}")
     T, k = ids_np.shape
@@ -334,12 +335,12 @@ class ExpertWeights:
         if ds4:
             xq, xd = quantize_q8_k_activation_mlx(x_rows)
             # codes and scales in one read: the scales' bytes ride behind each row's codes
-            both = np.asarray(mx.concatenate([xq, mx.view(xd, mx.int8)], axis=1))
+            both = to_host(mx.concatenate([xq, mx.view(xd, mx.int8)], axis=1))
             y = native.pairs_ds4(lib, int(self.qtype), self.raw, n_in, uniq, bounds, order, rows,
                                  both[:, :n_in], both[:, n_in:].view(np.float32), SIGNED_GRID_WORDS)
         else:
             y = native.pairs_f32(lib, int(self.qtype), self.raw, n_in, uniq, bounds, order, rows,
-                                 np.asarray(x_rows), SIGNED_GRID_WORDS)
+                                 to_host(x_rows), SIGNED_GRID_WORDS)
         return mx.array(y)
 
     def _read(self, experts: np.ndarray) -> np.ndarray:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from ds4_mlx.model.host import to_host
 from ds4_mlx.model.linear import DenseWeight
 from ds4_mlx.model.numerics import indexer_qat
 from ds4_mlx.model.ops import DefaultOps
@@ -48,7 +49,7 @@ class Indexer:
         """
         T, nc = scores.shape
         k = self.top_k
-        s = np.array(scores, dtype=np.float32)
+        s = to_host(scores, np.float32)
         s[np.arange(nc)[None, :] >= n_visible[:, None]] = -np.inf
         # A stable sort of -score keeps equal scores in index order, as ds4's repeated argmax does.
         top = np.argsort(-s, axis=1, kind="stable")[:, :k]

@@ -21,6 +21,7 @@ import numpy as np
 
 from ds4_mlx.model.device_experts import topk_lowest_id
 from ds4_mlx.model.experts import ExpertWeights
+from ds4_mlx.model.host import to_host
 from ds4_mlx.model.linear import DenseWeight
 from ds4_mlx.model.ops import DefaultOps
 
@@ -76,7 +77,7 @@ class MoE:
         if self.tid2eid is not None:
             sel = self.tid2eid[tokens]
         else:
-            sel = np.argsort(-np.array(choice, dtype=np.float32), axis=1, kind="stable")[:, : self.n_used]
+            sel = np.argsort(-to_host(choice, np.float32), axis=1, kind="stable")[:, : self.n_used]
         return np.ascontiguousarray(sel, dtype=np.int32)
 
     def route_weights(self, prob: mx.array, sel) -> mx.array:

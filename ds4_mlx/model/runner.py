@@ -26,6 +26,7 @@ import numpy as np
 from ds4_mlx import allocator
 from ds4_mlx.errors import InferenceError
 from ds4_mlx.model.cache import ModelCache
+from ds4_mlx.model.host import to_host
 
 
 # A prefill at least this long leaves GiBs of freed temporaries in the (tuned) heap: give them back.
@@ -117,7 +118,7 @@ class Runner:
         """float32 [n_vocab]: next-token logits after everything fed so far."""
         if self._logits is None:
             raise InferenceError("no logits yet: feed at least one token first")
-        out = np.array(self._logits, dtype=np.float32)
+        out = to_host(self._logits, np.float32)
         self._lazy = False  # the read evaluated the step's cache arrays with the logits
         return out
 
