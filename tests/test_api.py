@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -271,6 +272,35 @@ def test_sigint_ends_generate_cleanly(tiny_model_path):
     assert proc.returncode == 130, err
     assert time.monotonic() - t0 < 60
     assert "ds4-mlx: prompt:" in err and "generation:" in err and "Traceback" not in err, err
+
+
+def test_mlx_compiler_probe_happens_at_load_not_in_the_first_decode_step(tiny_model_path, tmp_path):
+    """MLX asks ``system("g++ --version")`` once per process, at its first CPU ``mx.compile``; C's
+    ``system()`` ignores SIGINT while the child runs, so a Ctrl-C then is lost. Unprobed, that was the
+    first compiled decode step, right when the first token shows (test_sigint_ends_generate_cleanly
+    hung about one run in four: the signal was discarded and generation went on). The loader probes:
+    a g++ on PATH that logs its calls shows the probe before 'loaded' and none during generation."""
+    real = shutil.which("g++")
+    if real is None:
+        pytest.skip("no g++: MLX compiles nothing and its probe fails fast")
+    log = tmp_path / "calls.log"
+    wrapper = tmp_path / "bin" / "g++"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f'#!/bin/sh\necho "$*" >> "{log}"\nexec "{real}" "$@"\n')
+    wrapper.chmod(0o755)
+    script = (f"import ds4_mlx\n"
+              f"e = ds4_mlx.Engine.open({str(tiny_model_path)!r})\n"
+              f"open({str(log)!r}, 'a').write('LOADED\\n')\n"
+              f"r = ds4_mlx.generate(e, 'Hello', max_tokens=3, temperature=0)\n"
+              f"open({str(log)!r}, 'a').write('DONE\\n')\n")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent),
+               PATH=f"{wrapper.parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    calls = log.read_text().splitlines()
+    assert "LOADED" in calls and calls[-1] == "DONE", calls
+    probes = [i for i, c in enumerate(calls) if c.strip() == "--version"]
+    assert probes and max(probes) < calls.index("LOADED"), calls
 
 
 def test_cli_ctx_above_the_model_context_is_one_error_line(tiny_model_path, capsys, monkeypatch):

@@ -62,6 +62,26 @@ from ds4_mlx.model.cache import LayerCache, ModelCache, StepAt
 from ds4_mlx.model.rope import Rope
 
 
+_compiler_probed = False
+
+
+def probe_compiler() -> None:
+    """Have MLX ask its one-time CPU question now: is there a C++ compiler for fused kernels?
+
+    MLX answers it at the first ``mx.compile`` call on the CPU with ``system("g++ --version")``, and
+    C's ``system()`` ignores SIGINT while the child runs: a Ctrl-C landing then is discarded, not
+    deferred. Unprobed, that moment is the first compiled decode step, i.e. right when the first
+    token appears and a user (or a test) presses Ctrl-C; the loader calls this instead, so the window
+    falls inside the load. (Kernel builds use ``popen()``, which leaves signals alone.) Once per
+    process; a tiny elementwise function, its kernel cached on disk by MLX after the first build."""
+    global _compiler_probed
+    if _compiler_probed:
+        return
+    _compiler_probed = True
+    with mx.stream(mx.cpu):
+        mx.eval(mx.compile(lambda x: x * 2.0 + 1.0)(mx.zeros((1,), dtype=mx.float32)))
+
+
 class _RopeRows:
     """cos/sin rows of one RoPE parameter set at single positions, computed a block at a time.
 

@@ -18,6 +18,7 @@ from ds4_mlx.formats.config import ModelConfig
 from ds4_mlx.formats.gguf import GGUFFile
 from ds4_mlx.formats.layout import load_model_file
 from ds4_mlx.model.attention import Attention
+from ds4_mlx.model.compiled_decode import probe_compiler
 from ds4_mlx.model.compressor import Compressor
 from ds4_mlx.model.device_experts import DeviceExpertWeights, resolve_strategy
 from ds4_mlx.model.experts import EXPERT_CACHE, ExpertWeights, routed_resident_nbytes
@@ -264,6 +265,7 @@ def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend:
         else:
             model = _build(f, cfg, mode, backend, strategy)
         f.check_intact()  # truncated while loading: a clean error naming it, before any use
+        probe_compiler()  # MLX's compiler check ignores Ctrl-C while it runs: at load, not mid-answer
         return model
     except BaseException:
         f.close()
