@@ -11,12 +11,12 @@ the flags, the compiler's version line and the machine (so a cache shared betwee
 one CPU a library built for another). The build writes a temporary name and renames it into place,
 so concurrent first uses never load a half-written file.
 
-``DS4_MLX_NATIVE``: ``on`` (build and use it) or ``off`` (the default for now: the MLX path). Off by
-default until a hang is understood: with it on, a Ctrl-C during generation, or a rank killed during an
-expert-parallel run, sometimes leaves the process waiting for ever on an MLX evaluation whose CPU stream
-is idle (seen in ~1 of 3 tries on a loaded 2-core box; never with it off). With ``on``, without a
+``DS4_MLX_NATIVE``: ``on`` (the default: build and use it) or ``off`` (the MLX path). Without a
 compiler, or when the build fails, a one-line ``NativeWarning`` is issued once and the MLX path
-runs; ``status()`` says why. ``DS4_MLX_NATIVE_THREADS``: threads per call (default: the CPUs this
+runs; ``status()`` says why. (It was opt-in for a while because of two hangs seen only with it on;
+neither was in this code: numpy's ``np.array`` hid a failed evaluation, see ``model.host``, and
+MLX's one-time compiler probe ignores SIGINT, see ``compiled_decode.probe_compiler``; with it on
+the timing just made them likelier.) ``DS4_MLX_NATIVE_THREADS``: threads per call (default: the CPUs this
 process may use, at most 8); results do not depend on it.
 
 Flags: ``-O3 -ffp-contract=off`` and never ``-ffast-math``, because contracting ``a*b+c`` into one
@@ -58,13 +58,13 @@ _state: dict[str, object] = {"enabled": False, "reason": "not attempted", "path"
 _lib: list[ctypes.CDLL] = []
 
 
-_OFF = ("", "off", "0", "no", "false")
-_AUTO = ("auto", "on", "1", "yes", "true")
+_OFF = ("off", "0", "no", "false")
+_AUTO = ("", "auto", "on", "1", "yes", "true")
 
 
 def _setting() -> str:
-    """``auto`` (on) or ``off`` (unset: the default, see the module docstring). Any other value is
-    taken as ``off`` (the reference path) and said once: a typo must not silently pick a path."""
+    """``auto`` (on: unset, the default) or ``off``. Any other value is taken as ``off`` (the reference
+    path) and said once: a typo must not silently pick a path."""
     value = os.environ.get(ENV_VAR, "").strip().lower()
     if value in _AUTO:
         return "auto"
@@ -74,8 +74,7 @@ def _setting() -> str:
 
 
 def _off_reason() -> str:
-    value = os.environ.get(ENV_VAR)
-    return f"disabled by {ENV_VAR}={value}" if value else f"off by default (set {ENV_VAR}=on to use it)"
+    return f"disabled by {ENV_VAR}={os.environ.get(ENV_VAR)}"
 
 
 _warned: set[str] = set()
