@@ -325,3 +325,48 @@ def test_switched_on_after_a_call_while_off_it_builds(monkeypatch):
     assert native.library() is None and native.status(probe=True)["enabled"] is False
     monkeypatch.setenv(native.ENV_VAR, "on")
     assert native.library() is not None and native.status()["enabled"] is True
+
+
+@pytest.mark.parametrize("numerics", ["default", "ds4-cpu"])
+def test_gate_and_up_read_their_shared_input_once(lib, numerics):
+    """A MoE's gate and up calls take the same input array: the second reuses the first's host copy
+    (one wait on the device less per routed layer). Another array with the same values is read again
+    (the key is the array itself), and the products are the bits of separate reads."""
+    from host_traffic import HostTraffic  # benchmarks/, on the path by conftest
+
+    rng = np.random.default_rng(11)
+    gate = ExpertWeights("gate", GGMLType.IQ2_XXS, blocks(rng, GGMLType.IQ2_XXS, 4, 16, 256), 256,
+                         backend="cpu", use_kernels=False)
+    up = ExpertWeights("up", GGMLType.IQ2_XXS, blocks(rng, GGMLType.IQ2_XXS, 4, 16, 256), 256,
+                       backend="cpu", use_kernels=False)
+    ids = np.array([[0, 3]])
+    x_host = rng.standard_normal((1, 1, 256)).astype(np.float32)
+    call = (lambda e, x: e(x, ids)) if numerics == "default" else (lambda e, x: e.ds4_cpu(x, ids))
+
+    def pair(x):
+        with HostTraffic() as t:
+            g, u = call(gate, x), call(up, x)
+        return t.syncs, np.array(g), np.array(u)
+
+    x = mx.array(x_host) * 1.0  # unevaluated: reading it waits on the device
+    shared_syncs, g1, u1 = pair(x)
+    with HostTraffic() as t:
+        g2, u2 = call(gate, mx.array(x_host) * 1.0), call(up, mx.array(x_host) * 1.0)
+    assert shared_syncs == 1 and t.syncs == 2
+    assert same_bits(g1, np.array(g2)) and same_bits(u1, np.array(u2))
+
+
+def test_the_shared_input_is_per_thread(lib):
+    """Two threads (two models, say) never see each other's cached input."""
+    import threading
+
+    from ds4_mlx.model.experts import _HOST_INPUT
+
+    x = mx.zeros((1, 4))
+    _HOST_INPUT.get(x, "f32", lambda: np.ones(4, np.float32))
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(_HOST_INPUT.get(x, "f32", lambda: np.zeros(4, np.float32))))
+    t.start()
+    t.join()
+    assert seen[0].tolist() == [0, 0, 0, 0]
+    assert _HOST_INPUT.get(x, "f32", lambda: None).tolist() == [1, 1, 1, 1]
