@@ -212,7 +212,10 @@ def resident_split(f: GGUFFile, cfg: ModelConfig, n_ranks: int, numerics: str | 
     mode = parse_numerics(numerics)
     strategy = resolve_strategy(strategy)
     w = _Weights(f, backend, strategy)
-    routed = {n: int(f.tensor(n).nbytes) for n in f.tensors if tensor_kind(n) == "experts"}
+    # the routed-expert tensors the blocks take (``_block``): another tensor named like one builds
+    # nothing, and must not take a share of the budget from them
+    routed = {n: int(f.tensor(n).nbytes) for il in range(cfg.n_layer) for part in ("gate", "up", "down")
+              if (n := f"blk.{il}.ffn_{part}_exps.weight") in f.tensors}
     total = sum(routed.values())
     budget = EXPERT_CACHE.limit_bytes if EXPERT_CACHE.explicit else EXPERT_CACHE.default_bytes
     if strategy == "host" and native.library() is not None:
