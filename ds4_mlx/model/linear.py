@@ -3,6 +3,7 @@
 Interface (the architecture code uses only this):
 
     w = DenseWeight.from_gguf(gguf_file, name)        # 2-D (out, in): Q8_0, F16 or F32
+    w = DenseWeight.from_gguf(gguf_file, name, rows=range(a, b))  # only those output rows, read and held
     y = w(x)  /  w.ds4_cpu(x)                          # x [..., in] float32 -> [..., out] float32
     w.rows(start, stop)                                # a DenseWeight over a slice of output rows
     e = experts.ExpertWeights.from_gguf(gguf_file, name)  # 3-D (n_expert, out, in): IQ2_XXS/Q2_K/Q4_K
@@ -262,12 +263,22 @@ class DenseWeight:
 
     @classmethod
     def from_gguf(cls, gguf_file, name: str, backend: "Backend | str | None" = None, *,
-                  use_kernels: bool = False) -> "DenseWeight":
+                  use_kernels: bool = False, rows: range | None = None) -> "DenseWeight":
+        """The GGUF weight ``name``, or with ``rows`` a weight of its own over those output rows
+        only: a view of just their bytes in the mapping, so its cached forms are built from, and
+        hold, those rows alone (a pipeline rank's share of the output head). Unlike ``rows()``,
+        which slices a parent's caches, nothing of the other rows is ever read or built."""
         info = gguf_file.tensor(name)
         if len(info.shape) != 2:
             raise LayoutError(f"tensor {name!r}: expected a 2-D weight, got shape {info.shape}")
-        return cls(name, info.ggml_type, gguf_file.tensor_array(name), info.shape[1], backend,
-                   use_kernels=use_kernels)
+        raw = gguf_file.tensor_array(name)
+        if rows is not None:
+            if rows.step != 1 or not 0 <= rows.start < rows.stop <= raw.shape[0]:
+                raise LayoutError(f"tensor {name!r}: row range {rows} is not a non-empty range within "
+                                  f"0..{raw.shape[0]}")
+            if len(rows) != raw.shape[0]:
+                raw, name = raw[rows.start:rows.stop], f"{name}[{rows.start}:{rows.stop}]"
+        return cls(name, info.ggml_type, raw, info.shape[1], backend, use_kernels=use_kernels)
 
     @property
     def nbytes(self) -> int:
