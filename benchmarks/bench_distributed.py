@@ -89,7 +89,11 @@ def paper_decode(t_layer: float, n_layer: int, n_ranks: int, mode: str, latency:
 
     pipeline: the layers run one rank after the other (no overlap for one sequence): all layers'
     compute, plus per rank boundary one H message (n_hc * n_embd float32 + the 40-byte header and the
-    token id), plus the logits back to rank 0 (n_vocab float32): the protocol of model/pipeline.py.
+    token id), plus the logits back to rank 0 (n_vocab float32): model/pipeline.py's protocol with the
+    whole head on the last rank. The loader shares the head's rows with rank 0 by a cut that depends
+    on the file and the memory it weighs (not modelled here): the last rank then sends n_embd floats
+    of hidden state first and only its rows' logits, one message more and up to n_vocab - n_embd
+    floats fewer, so these link figures are an upper bound on bytes and one latency low.
     experts: every rank runs the dense part of each layer and 1/n_ranks of its routed experts
     (``expert_share`` of the layer's time), then one all_sum of n_embd float32 per layer, modelled
     as a ring all-reduce: 2 (n - 1) messages of n_embd * 4 / n bytes each.
@@ -183,8 +187,10 @@ def worker(args) -> int:
     model = load(args.model, numerics=args.numerics, distributed=mode)
     t_load = time.perf_counter() - t0
     rank = getattr(model, "rank", 0)
+    rows = getattr(model, "head_rows", None)  # a pipeline rank's rows of the output matrix
     out = {"rank": rank, "load_s": t_load, "layers": [int(b.il) for b in model.blocks],
-           "head": getattr(model, "output", None) is not None}
+           "head": getattr(model, "output", None) is not None,
+           "head_rows": None if rows is None else [rows.start, rows.stop]}
     if rank:
         model.follow()
     else:
@@ -301,7 +307,7 @@ def measure(model: Path, mode: str = "pipeline", ranks: int = 2, prompt_tokens: 
                 "decode_tps": decode / one["decode_s"] if decode else None},
         "per_rank": [{"rank": p["rank"], "layers": p["layers"], "peak_rss_bytes": p["peak_rss_bytes"],
                       "rss_ratio": p["peak_rss_bytes"] / one["peak_rss_bytes"], "sent": p.get("sent"),
-                      "head": p["head"], "expert_cache": p["expert_cache"],
+                      "head": p["head"], "head_rows": p.get("head_rows"), "expert_cache": p["expert_cache"],
                       "memory_at_end": p.get("memory_at_end")} for p in per_rank],
         "rss_ratio_max": max(p["peak_rss_bytes"] for p in per_rank) / one["peak_rss_bytes"],
         "prefill_tps": prompt_tokens / lead["prefill_s"],
@@ -323,7 +329,9 @@ def print_report(res: dict) -> None:
     print(f"  one process   peak RSS {one['peak_rss_bytes'] / MIB:8.0f} MiB   prefill {one['prefill_tps']:8.1f} t/s"
           f"   decode {one['decode_tps'] or 0:7.2f} t/s")
     for p in res["per_rank"]:
-        print(f"  rank {p['rank']} (layers {p['layers'][0]}..{p['layers'][-1]})  peak RSS "
+        rows = p.get("head_rows")
+        head = f", head rows {rows[0]}..{rows[1] - 1}" if rows and rows[1] > rows[0] else ""
+        print(f"  rank {p['rank']} (layers {p['layers'][0]}..{p['layers'][-1]}{head})  peak RSS "
               f"{p['peak_rss_bytes'] / MIB:8.0f} MiB = {p['rss_ratio']:.2f}x one process")
     print(f"  distributed   prefill {res['prefill_tps']:8.1f} t/s ({res['prefill_speedup']:.2f}x)   decode "
           f"{res['decode_tps'] or 0:7.2f} t/s ({res['decode_speedup'] or 0:.2f}x)   same greedy tokens: "

@@ -47,23 +47,27 @@ def test_the_ranks_hold_the_resident_split(run, tiny_model_path):
 
     f, cfg, _ = load_model_file(tiny_model_path)
     try:
-        ranges = resident_split(f, cfg, 2, "default", None, "auto")
+        split = resident_split(f, cfg, 2, "default", None, "auto")
     finally:
         f.close()
-    assert [p["layers"] for p in run["per_rank"]] == [list(r) for r in ranges]
-    assert [p["head"] for p in run["per_rank"]] == [False, True]
+    assert [p["layers"] for p in run["per_rank"]] == [list(r) for r in split.layers]
+    # the head's rows shared: [0, c) on rank 0, [c, n_vocab) on the last rank
+    assert [p["head_rows"] for p in run["per_rank"]] == [[0, split.head_cut], [split.head_cut, cfg.n_vocab]]
+    assert [p["head"] for p in run["per_rank"]] == [True, True]
 
 
 def test_the_counted_traffic_is_the_protocol(run, tiny_model_path):
     """Bytes the transport counted = the messages of model/pipeline.py: a 5-int64 header, the token
-    ids and H [n, n_hc, n_embd] float32 (after its dtype code) down the ranks, a dtype code and the
-    logits back."""
+    ids and H [n, n_hc, n_embd] float32 (after its dtype code) down the ranks; back, each after a
+    dtype code, the normed hidden state (n_embd float32) and the logits of the last rank's rows."""
     from ds4_mlx.formats.layout import load_model_file
 
     f, cfg, _ = load_model_file(tiny_model_path)
     f.close()
     h_row = cfg.n_hc * cfg.n_embd * 4
-    logits = 8 + cfg.n_vocab * 4
+    first, last = (p["head_rows"] for p in run["per_rank"])
+    assert first[1] > first[0]  # rank 0 holds rows: the hidden state is sent
+    logits = 8 + cfg.n_embd * 4 + 8 + (last[1] - last[0]) * 4
     p = run["prompt_tokens"]
     assert run["bytes_per_decode_token"] == 40 + 8 + 8 + h_row + logits
     assert run["bytes_per_prefill_token"] == (40 + 8 * p + 8 + h_row * p + logits) / p

@@ -170,15 +170,16 @@ def _generate_args(model, prompt_file, out, numerics) -> list[str]:
             "--numerics", numerics, "--dump-logprobs", str(out)]
 
 
-@pytest.mark.parametrize("numerics", ["ds4-cpu", "default"])
-def test_pipeline_is_bit_identical_to_one_process(tiny_model_path, tmp_path, numerics):
-    """The issue's acceptance line, literally: same greedy tokens, bit-identical logprobs."""
+@pytest.mark.parametrize("numerics,ranks", [("ds4-cpu", 2), ("default", 2), ("ds4-cpu", 3), ("default", 3)])
+def test_pipeline_is_bit_identical_to_one_process(tiny_model_path, tmp_path, numerics, ranks):
+    """The issue's acceptance line, literally: same greedy tokens, bit-identical logprobs. On three
+    ranks the middle one holds layers only (the head's rows are rank 0's and the last rank's)."""
     prompt = tmp_path / "P"
     prompt.write_text(PROMPT)
     one, two = tmp_path / "one.json", tmp_path / "two.json"
     r1 = _run(CLI + _generate_args(tiny_model_path, prompt, one, numerics))
     assert r1.returncode == 0, r1.stderr
-    r2 = _run(LAUNCH + ["-n", "2", "--backend", "ring", "--"] + CLI
+    r2 = _run(LAUNCH + ["-n", str(ranks), "--backend", "ring", "--"] + CLI
               + _generate_args(tiny_model_path, prompt, two, numerics) + ["--distributed", "pipeline"])
     assert two.exists(), r2.stdout + r2.stderr
     assert r2.stderr.count("wrote 6 steps") == 1, r2.stderr  # rank 0 alone writes and reports
@@ -189,17 +190,18 @@ def test_pipeline_is_bit_identical_to_one_process(tiny_model_path, tmp_path, num
 
 _SPLIT_SCRIPT = """
 import sys
-from ds4_mlx.model import loader
+from ds4_mlx.model import loader, pipeline
 
 # Each rank weighs the layers differently (as ranks on different hosts may: one has no compiler
-# for the native experts, another another backend): rank 1 alone would put the cut at layer 2.
+# for the native experts, another another backend): rank 1 alone would put the cuts at layer 2
+# and at head row 100.
 def skewed(f, cfg, n, *args, **kwargs):
-    cut = 2 if int(__import__("os").environ["MLX_RANK"]) == 1 else 4
-    return [range(0, cut), range(cut, cfg.n_layer)]
+    cut, rows = (2, 100) if int(__import__("os").environ["MLX_RANK"]) == 1 else (4, 1000)
+    return pipeline.PipelineSplit((range(0, cut), range(cut, cfg.n_layer)), rows, cfg.n_vocab)
 
 loader.resident_split = skewed
 m = loader.load(sys.argv[1], distributed="pipeline")
-print(f"rank {m.rank}: layers {[b.il for b in m.blocks]}", flush=True)
+print(f"rank {m.rank}: layers {[b.il for b in m.blocks]} head rows {m.head_rows} {m.output.shape[0]}", flush=True)
 if m.rank:
     m.follow()
 else:
@@ -212,7 +214,8 @@ def test_every_rank_takes_rank_0s_split(tiny_model_path, tmp_path):
     script.write_text(_SPLIT_SCRIPT)
     r = _run(LAUNCH + ["-n", "2", "--backend", "ring", "--", sys.executable, str(script), str(tiny_model_path)])
     lines = sorted(line for line in r.stdout.splitlines() if line.startswith("rank "))
-    assert lines == ["rank 0: layers [0, 1, 2, 3]", "rank 1: layers [4, 5]"], r.stdout + r.stderr
+    assert lines == ["rank 0: layers [0, 1, 2, 3] head rows range(0, 1000) 1000",
+                     "rank 1: layers [4, 5] head rows range(1000, 129280) 128280"], r.stdout + r.stderr
 
 
 _RANK_SCRIPT = """
@@ -223,7 +226,7 @@ from ds4_mlx.model.loader import load
 from ds4_mlx.engine.session import Session, Snapshot
 
 m = load(sys.argv[1], numerics="ds4-cpu", distributed="pipeline")
-print(f"rank {m.rank}: layers {[b.il for b in m.blocks]} head {m.output is not None}", flush=True)
+print(f"rank {m.rank}: layers {[b.il for b in m.blocks]} head {m.head_rows.start} {m.head_rows.stop}", flush=True)
 if m.rank:
     m.follow()
     print(f"rank {m.rank}: stopped", flush=True)
@@ -249,11 +252,13 @@ def test_each_rank_builds_only_its_layers_and_refuses_foreign_states(tiny_model_
     lines = sorted(r.stdout.splitlines())
     assert len(lines) == 4, r.stdout + r.stderr
     r0, r1 = lines[0], lines[2]
-    assert r0.startswith("rank 0: layers [0") and r0.endswith("head False")
-    assert r1.startswith("rank 1: layers [") and r1.endswith("5] head True")
+    assert r0.startswith("rank 0: layers [0") and r1.startswith("rank 1: layers [")
     own0 = json.loads(r0.split("layers ")[1].split(" head")[0])
     own1 = json.loads(r1.split("layers ")[1].split(" head")[0])
     assert own0 + own1 == list(range(6))
+    # the head's rows: [0, c) on rank 0, [c, n_vocab) on the last rank
+    rows0, rows1 = (tuple(int(v) for v in r.split(" head ")[1].split()) for r in (r0, r1))
+    assert rows0[0] == 0 and rows0[1] == rows1[0] and rows1[1] == 129280 and 0 < rows0[1] < 129280, (r0, r1)
     assert lines[1].startswith("rank 0: refused: a distributed (pipeline) run can only continue a state every "
                                "rank holds")
     assert lines[3] == "rank 1: stopped"  # rank 0's exit stopped it

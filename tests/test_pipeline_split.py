@@ -6,11 +6,14 @@ ranks' layers are checked in test_bench_distributed.py)."""
 
 from __future__ import annotations
 
+import itertools
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from ds4_mlx import native
+from ds4_mlx.errors import DistributedError, LayoutError
 from ds4_mlx.formats.ggml_types import GGMLType
 from ds4_mlx.formats.layout import load_model_file
 from ds4_mlx.model import loader, pipeline
@@ -68,6 +71,53 @@ def test_dense_estimate_of_a_weight_used_by_row_slices():
     assert _built(w) == w.resident_nbytes()
 
 
+@pytest.mark.parametrize("numerics", ["default", "ds4-cpu"])
+def test_dense_estimate_of_a_row_range(tiny_model_path, numerics):
+    """A pipeline rank's share of the output head, ``from_gguf(..., rows=)``: a view of only those
+    rows' bytes in the mapping, whose cached forms hold those rows only, as ``_Weights`` weighs them."""
+    f, cfg, _ = load_model_file(tiny_model_path)
+    try:
+        rows = range(1000, 1700)
+        w = DenseWeight.from_gguf(f, "output.weight", backend="cpu", rows=rows)
+        assert w.shape == (len(rows), cfg.n_embd) and w.raw.base is not None  # a view, not a copy
+        assert np.shares_memory(w.raw, f.tensor_array("output.weight"))
+        x = mx.array(np.random.default_rng(3).standard_normal((2, cfg.n_embd)).astype(np.float32))
+        mx.eval(w(x) if numerics == "default" else w.ds4_cpu(x))
+        weights = loader._Weights(f, "cpu", "host")
+        estimate = weights.resident_nbytes("output.weight", numerics, rows=rows)
+        assert _built(w) == estimate == weights.resident_nbytes("output.weight", numerics) * len(rows) // cfg.n_vocab
+        for bad in (range(5, 5), range(0, cfg.n_vocab + 1), range(0, 10, 2)):
+            with pytest.raises(LayoutError, match="row range"):
+                DenseWeight.from_gguf(f, "output.weight", backend="cpu", rows=bad)
+    finally:
+        f.close()
+
+
+@pytest.mark.parametrize("numerics", ["default", "ds4-cpu"])
+def test_row_ranges_of_the_head_give_the_whole_heads_logits(tiny_model_path, numerics):
+    """The pipeline's logits are rank 0's rows and the last rank's, each multiplied on its own: bit
+    for bit the whole head's, at cuts of every kind (the splits' and odd ones: BLAS's edge kernels).
+    Default numerics: against the whole head eager (a chunk's logits) and compiled (the decode step's
+    head function is ``mx.compile``d); ds4-cpu: its per-row integer block sums."""
+    f, cfg, _ = load_model_file(tiny_model_path)
+    try:
+        whole = DenseWeight.from_gguf(f, "output.weight", backend="cpu")
+        x = mx.array(np.random.default_rng(4).standard_normal((1, cfg.n_embd)).astype(np.float32))
+        if numerics == "default":
+            expected = [np.array(whole(x)), np.array(mx.compile(lambda v: whole(v))(x))]
+        else:
+            expected = [np.array(whole.ds4_cpu(x))]
+        del whole
+        for cut in (1, 7, 25299, 64937, cfg.n_vocab - 33):
+            parts = [DenseWeight.from_gguf(f, "output.weight", backend="cpu", rows=r)
+                     for r in (range(0, cut), range(cut, cfg.n_vocab))]
+            got = np.concatenate([np.array(p(x) if numerics == "default" else p.ds4_cpu(x)) for p in parts], axis=1)
+            for e in expected:
+                assert got.tobytes() == e.tobytes(), cut
+    finally:
+        f.close()
+
+
 @pytest.mark.parametrize("use_kernels", [False, True])
 def test_dense_estimate_of_the_metal_forms(use_kernels):
     """On Metal a Q8_0 weight is kept as MLX's affine 8-bit form, or as its raw blocks for the
@@ -114,6 +164,57 @@ def test_expert_estimate_is_what_the_lru_and_the_device_copy_hold(qtype):
     # the Metal kernels read the raw blocks: the loader passes them no LRU share (``_Weights.resident_nbytes``)
 
 
+# -- the split with the head's rows shared --------------------------------------------------------------
+
+
+def _split_loads(split, sizes, first, last, row_bytes):
+    loads = [sum(sizes[i] for i in r) for r in split.layers]
+    for rank in range(len(loads)):
+        loads[rank] += len(split.head_rows(rank)) * row_bytes
+    loads[0] += first
+    loads[-1] += last
+    return loads
+
+
+@pytest.mark.parametrize("sizes,n,first,last,row_bytes,n_vocab", [
+    ([10] * 6, 2, 0, 0, 3, 20), ([10] * 6, 3, 0, 5, 3, 20), ([5, 1, 1, 1, 1, 5], 2, 0, 0, 1, 9),
+    ([1, 2, 3, 4, 5, 6, 7], 3, 4, 9, 2, 15), ([10, 10], 2, 100, 0, 1, 30), ([3] * 5, 4, 1, 1, 1, 7),
+    ([8, 1, 1, 1, 8], 3, 0, 0, 5, 11), ([2] * 6, 2, 0, 40, 1, 10), ([4, 4, 4], 3, 0, 0, 7, 1),
+])
+def test_split_pipeline_is_optimal_over_layers_and_head_rows(sizes, n, first, last, row_bytes, n_vocab):
+    split = pipeline.split_pipeline(sizes, n, first, last, row_bytes, n_vocab)
+    assert len(split.layers) == n and split.layers[0].start == 0 and split.layers[-1].stop == len(sizes)
+    assert all(a.stop == b.start for a, b in zip(split.layers, split.layers[1:]))
+    assert all(len(r) >= 1 for r in split.layers) and 0 <= split.head_cut <= n_vocab
+    rows = [split.head_rows(r) for r in range(n)]
+    assert rows[0] == range(0, split.head_cut) and rows[-1] == range(split.head_cut, n_vocab)
+    assert all(len(r) == 0 for r in rows[1:-1])  # the head's rows: rank 0 and the last rank only
+    best = min(
+        max(_split_loads(pipeline.PipelineSplit(tuple(range(a, b) for a, b in zip((0,) + cuts, cuts + (len(sizes),))),
+                                                c, n_vocab), sizes, first, last, row_bytes))
+        for cuts in itertools.combinations(range(1, len(sizes)), n - 1) for c in range(n_vocab + 1))
+    assert max(_split_loads(split, sizes, first, last, row_bytes)) == best
+    assert pipeline.split_pipeline(sizes, n, first, last, row_bytes, n_vocab) == split  # deterministic
+
+
+def test_split_pipeline_edge_cases():
+    # no head rows to share: the plain split, the head (none) on the last rank
+    assert pipeline.split_pipeline([1, 1, 1, 8], 2, 0, 0) == pipeline.PipelineSplit((range(0, 3), range(3, 4)), 0, 0)
+    one = pipeline.split_pipeline([5, 5], 1, 0, 0, 2, 10)  # one rank holds everything
+    assert one.layers == (range(0, 2),) and one.head_rows(0) == range(0, 10)
+    # a head that outweighs every layer: shared about evenly, the layers follow
+    big = pipeline.split_pipeline([1] * 4, 2, 0, 0, 10, 100)
+    assert big.layers == (range(0, 2), range(2, 4)) and big.head_cut == 50
+    with pytest.raises(DistributedError, match="5 ranks but the model has only 4 layers"):
+        pipeline.split_pipeline([1] * 4, 5, 0, 0, 1, 10)
+
+
+def test_the_split_travels_as_ints():
+    split = pipeline.PipelineSplit((range(0, 2), range(2, 3), range(3, 6)), 77, 1000)
+    assert split.to_ints() == [0, 2, 3, 6, 77]
+    assert pipeline.PipelineSplit.from_ints(split.to_ints(), 1000) == split
+
+
 # -- the loader's split ------------------------------------------------------------------------------
 
 
@@ -141,14 +242,35 @@ def test_tensor_kind_is_how_the_loader_takes_each_tensor(tiny_model_path):
         f.close()
 
 
+def _resident_loads(f, cfg, split, numerics):
+    """Each rank's resident bytes under ``split`` (host strategy, no expert LRU: ds4-cpu keeps none)."""
+    w = loader._Weights(f, "cpu", "host")
+    loads = []
+    for rank, layers in enumerate(split.layers):
+        b = sum(w.resident_nbytes(n, numerics) for n in f.tensors
+                if n.startswith("blk.") and int(n.split(".")[1]) in layers)
+        if rank == len(split.layers) - 1:
+            b += sum(w.resident_nbytes(n, numerics) for n in f.tensors if n.startswith("output_"))
+        rows = split.head_rows(rank)
+        loads.append(b + (w.resident_nbytes("output.weight", numerics, rows=rows) if len(rows) else 0))
+    return loads
+
+
 def test_the_tiny_model_split(tiny_model_path):
-    """The tiny model's float32 head (252 MiB against ~13 MiB a layer) alone outweighs the layers:
-    the last rank gets one layer and the head, by resident and by GGUF bytes alike."""
+    """The tiny model's float32 head (252 MiB against ~13 MiB of dense weights a layer) outweighs
+    the layers: whole on the last rank (the split before the head's rows were shared) that rank held
+    one layer and the head; shared, rank 0 takes part of the head and the ranks come out even."""
     f, cfg, _ = load_model_file(tiny_model_path)
     try:
         for numerics in ("default", "ds4-cpu"):
             for strategy in ("host", "device"):
-                assert loader.resident_split(f, cfg, 2, numerics, "cpu", strategy) == [range(0, 5), range(5, 6)]
+                split = loader.resident_split(f, cfg, 2, numerics, "cpu", strategy)
+                assert 0 < split.head_cut < cfg.n_vocab, (numerics, strategy, split)
+        split = loader.resident_split(f, cfg, 2, "ds4-cpu", "cpu", "host")
+        assert split.layers == (range(0, 2), range(2, 6)) and split.head_cut == 73677
+        whole = pipeline.PipelineSplit((range(0, 5), range(5, 6)), 0, cfg.n_vocab)  # the best with the head whole
+        loads, before = _resident_loads(f, cfg, split, "ds4-cpu"), _resident_loads(f, cfg, whole, "ds4-cpu")
+        assert max(loads) < 0.7 * max(before) and abs(loads[0] - loads[1]) < 0.01 * max(loads), (loads, before)
         w = loader._Weights(f, "cpu", "host")
         assert w.resident_nbytes("output.weight", "default") == 4 * cfg.n_vocab * cfg.n_embd
         assert w.resident_nbytes("token_embd.weight", "default") == 0  # gathered from the mapping
@@ -182,27 +304,22 @@ def test_the_split_by_resident_bytes_differs_from_gguf_bytes(skewed_model):
     f, cfg, _ = load_model_file(skewed_model)
     try:
         by_gguf = pipeline.gguf_split(f, cfg.n_layer, 2)
-        # ds4-cpu on the host strategy: the experts stay in the mapping, the head is float32 + scales
+        # ds4-cpu on the host strategy: the experts stay in the mapping, the head is float32 + scales,
+        # and most of it goes to rank 0, which then takes one layer
         by_resident = loader.resident_split(f, cfg, 2, "ds4-cpu", "cpu", "host")
         assert by_gguf == [range(0, 2), range(2, 4)]
-        assert by_resident == [range(0, 3), range(3, 4)]
-        # and it is the best split of the resident bytes, which the GGUF split is not
-        w = loader._Weights(f, "cpu", "host")
-        per_layer, last = [0] * cfg.n_layer, 0
-        for name in f.tensors:
-            b = w.resident_nbytes(name, "ds4-cpu")
-            if name.startswith("blk."):
-                per_layer[int(name.split(".")[1])] += b
-            else:
-                last += b if name.startswith("output") else 0
-        assert max(_loads(by_resident, per_layer, 0, last)) < max(_loads(by_gguf, per_layer, 0, last))
+        assert by_resident == pipeline.PipelineSplit((range(0, 1), range(1, 4)), 7264, cfg.n_vocab)
+        # and it holds less on the largest rank than the GGUF split (the head whole on the last rank)
+        gguf_split = pipeline.PipelineSplit(tuple(by_gguf), 0, cfg.n_vocab)
+        assert max(_resident_loads(f, cfg, by_resident, "ds4-cpu")) < max(_resident_loads(f, cfg, gguf_split, "ds4-cpu"))
         assert loader.resident_split(f, cfg, 2, "ds4-cpu", "cpu", "host") == by_resident  # deterministic
     finally:
         f.close()
 
 
 def test_load_builds_the_resident_split(skewed_model, monkeypatch):
-    """``load(..., distributed="pipeline")`` builds the rank's range of ``resident_split`` (the
+    """``load(..., distributed="pipeline")`` builds the rank's share of ``resident_split``: its
+    layers, and its rows of the head, read from the mapping as a matrix of those rows alone (the
     launcher and the model's transport replaced: only the split is under test)."""
     from ds4_mlx.model import distributed as dist
 
@@ -218,8 +335,10 @@ def test_load_builds_the_resident_split(skewed_model, monkeypatch):
 
     built = []
 
-    def fake_model(cfg, ops, *, group, layers, **parts):
-        built.append((group.rank(), layers, [b.il for b in parts["blocks"]], parts["output"] is not None))
+    def fake_model(cfg, ops, *, group, layers, head_rows, **parts):
+        out = parts["output"]
+        built.append((group.rank(), layers, [b.il for b in parts["blocks"]], head_rows,
+                      None if out is None else out.shape, parts["output_hc"] is not None))
         return type("M", (), {})()
 
     monkeypatch.setattr(loader.pipeline, "PipelineModel", fake_model)
@@ -227,7 +346,9 @@ def test_load_builds_the_resident_split(skewed_model, monkeypatch):
         monkeypatch.setattr(dist, "join", lambda timeout, mode, checks=(), rank=rank: Group(rank))
         monkeypatch.setattr(dist, "rank0s", lambda group, values: list(values))  # each computes the same here
         loader.load(skewed_model, numerics="ds4-cpu", backend="cpu", experts="host", distributed="pipeline")
-    assert built == [(0, range(0, 3), [0, 1, 2], False), (1, range(3, 4), [3], True)]
+    n_embd = 256
+    assert built == [(0, range(0, 1), [0], range(0, 7264), (7264, n_embd), False),
+                     (1, range(1, 4), [1, 2, 3], range(7264, 8000), (8000 - 7264, n_embd), True)]
 
 
 def test_tensors_the_model_does_not_take_weigh_nothing(tiny_model_path):

@@ -13,6 +13,8 @@ cannot do) the step is cut at every router:
               -> (H, xn, post, C, prob, shared[, choice]), new layer cache arrays
     eager     expert ids (``MoE.select``), their weights, the routed experts (``ExpertWeights``)
     compiled  head_fn(carry): finish the last FFN, output HC, norm, output matmul -> logits
+              (or hidden_fn: the same without the matmul, for a pipeline's last rank, which shares
+              the output matrix's rows with rank 0; or finish_fn: the last FFN only, H for the next rank)
 
 A MoE that routes on the device (``routes_on_device`` True) has no host break: its whole layer,
 ``Block.__call__`` with the token id as an int32 array, is one compiled function per layer.
@@ -167,6 +169,14 @@ def _head_body(model_ref, last, counter: _Counter):
     return body
 
 
+def _hidden_body(model_ref, last, counter: _Counter):
+    def body(carry):
+        counter.n += 1
+        return model_ref().head_hidden(_finish_ffn(carry, last))[0]
+
+    return body
+
+
 class CompiledDecoder:
     """Decode steps of one DEFAULT-numerics model. ``compile=False`` runs the same fixed-shape
     functions eagerly (to separate what compilation does from what the fixed shapes do).
@@ -206,6 +216,7 @@ class CompiledDecoder:
             self._layer_fns.append(wrap(make(b, blocks[i - 1] if i else None, templates[b.il], self._counter)))
         self._head_fn = wrap(_head_body(self._model, blocks[-1], self._counter))
         self._finish_fn = wrap(_finish_body(blocks[-1], self._counter))
+        self._hidden_fn = wrap(_hidden_body(self._model, blocks[-1], self._counter))
 
     @property
     def model(self):
@@ -226,15 +237,20 @@ class CompiledDecoder:
         it reads (e.g. ``mx.depends(next_token, cache.arrays())``), one sync for the whole token."""
         return self.run(self.model.embed(np.array([token], dtype=np.int64)), token, cache, evaluate=evaluate)
 
-    def run(self, H: mx.array, token: int, cache: ModelCache, *, head: bool = True,
+    def run(self, H: mx.array, token: int, cache: ModelCache, *, until: str = "logits",
             evaluate: bool = True) -> mx.array:
         """This decoder's blocks on H [1, n_hc, n_embd] (``token``'s embedding, or the previous
-        pipeline stage's output) at position ``cache.n_tokens``, then the head (``head``: the
-        next-token logits [n_vocab]) or only the last block's FFN tail (H for the next pipeline
-        stage), lazily. Updates and advances ``cache`` like ``step``."""
+        pipeline stage's output) at position ``cache.n_tokens``, then, lazily, ``until``:
+        "logits", the head (the next-token logits [n_vocab]); "hidden", the head's normed hidden
+        state [n_embd] (``Model.head_hidden``: a pipeline's last rank, which shares the output
+        rows with rank 0); "H", only the last block's FFN tail (H for the next pipeline stage).
+        Updates and advances ``cache`` like ``step``."""
+        fn = {"logits": self._head_fn, "hidden": self._hidden_fn, "H": self._finish_fn}.get(until)
+        if fn is None:
+            raise InferenceError(f"CompiledDecoder.run: until must be 'logits', 'hidden' or 'H', got {until!r}")
         p = cache.n_tokens
         carry = self._layers(H, token, cache)
-        out = (self._head_fn if head else self._finish_fn)(carry)
+        out = fn(carry)
         cache.advance(p + 1)
         if evaluate:
             mx.eval(*cache.arrays())

@@ -63,8 +63,9 @@ from ds4_mlx.model.transformer import Model
 MODES = ("pipeline", "experts")
 # The command protocol's version, compared when the ranks join (``join``): ranks running different
 # ds4-mlx code would misread each other's messages. Bump it on any change to the commands or to what
-# follows them on the links.
-PROTOCOL_VERSION = 1
+# follows them on the links. 2: the pipeline's last rank sends the normed hidden state, then the logits
+# of its rows of the head only (rank 0 holds the others).
+PROTOCOL_VERSION = 2
 DEFAULT_JOIN_TIMEOUT_S = 120.0
 
 # The command ops. 0..15 are this module's and the modes'; further commands take the next free number.

@@ -207,7 +207,7 @@ class ExpertParallelModel(DistributedModel):
             self.source.check_intact()
         with self.transport.collective():
             H = self.decoder().run(self.embed(np.array([token], dtype=np.int64)), token, cache,
-                                   head=False, evaluate=False)
+                                   until="H", evaluate=False)
             mx.eval(H, *cache.arrays())
         return H
 

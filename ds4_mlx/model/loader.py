@@ -82,17 +82,19 @@ class _Weights:
     def has(self, name: str) -> bool:
         return name in self.f.tensors
 
-    def resident_nbytes(self, name: str, numerics: str | Numerics, lru_bytes: int = 0) -> int:
+    def resident_nbytes(self, name: str, numerics: str | Numerics, lru_bytes: int = 0,
+                        rows: range | None = None) -> int:
         """Bytes tensor ``name`` will hold in memory once used in ``numerics`` (beyond the mapping),
         decided by the same classes that build it: ``DenseWeight.resident_nbytes`` for a dense
-        weight (its backend resolved as when built), ``routed_resident_nbytes`` for routed experts
+        weight (its backend resolved as when built; ``rows``: of those output rows only, as
+        ``dense(name, rows)`` builds it), ``routed_resident_nbytes`` for routed experts
         (``lru_bytes``: the tensor's share of the expert LRU), 4 per element for the float32 arrays,
         0 for the mmap views (the embedding is gathered row by row, never resident as a whole)."""
         kind = tensor_kind(name)
         numerics = parse_numerics(numerics)
         try:
             if kind == "dense":
-                w = DenseWeight.from_gguf(self.f, name, **self.kw)
+                w = DenseWeight.from_gguf(self.f, name, rows=rows, **self.kw)
                 return w.ds4_cpu_resident_nbytes() if numerics is Numerics.DS4_CPU else w.resident_nbytes()
             if kind == "experts":
                 e = ExpertWeights.from_gguf(self.f, name, **self.kw)  # a view; decides use_kernels as built
@@ -119,11 +121,12 @@ class _Weights:
             a = a.reshape(shape)
         return mx.array(a)
 
-    def dense(self, name: str) -> DenseWeight:
+    def dense(self, name: str, rows: range | None = None) -> DenseWeight:
+        """A dense weight; ``rows``: only those output rows, read and held (a pipeline rank's share)."""
         if name not in self.f.tensors:
             raise LayoutError(f"{self.f.path}: tensor {name!r} is missing")
         self.kinds[name] = "dense"
-        return DenseWeight.from_gguf(self.f, name, **self.kw)
+        return DenseWeight.from_gguf(self.f, name, rows=rows, **self.kw)
 
     def experts(self, name: str) -> ExpertWeights:
         if name not in self.f.tensors:
@@ -196,9 +199,10 @@ def _block(cfg: ModelConfig, w: _Weights, il: int, ops: DefaultOps, gather=None)
 
 
 def resident_split(f: GGUFFile, cfg: ModelConfig, n_ranks: int, numerics: str | Numerics = "default",
-                   backend: str | None = None, strategy: str = "host") -> list[range]:
-    """The pipeline's layer ranges for ``n_ranks``: ``pipeline.tensor_split`` over what each tensor
-    will hold in memory (``_Weights.resident_nbytes``), not its GGUF bytes. On MLX's CPU backend a
+                   backend: str | None = None, strategy: str = "host") -> pipeline.PipelineSplit:
+    """The pipeline's split for ``n_ranks`` (layer ranges and the output head's rows shared by rank 0
+    and the last rank): ``pipeline.tensor_split`` over what each tensor will hold in memory
+    (``_Weights.resident_nbytes``, the head by its rows), not its GGUF bytes. On MLX's CPU backend a
     Q8_0 dense weight becomes float32 (~3.8x its GGUF bytes) while the host strategy's routed experts
     stay in the mapping, so a split by GGUF bytes, dominated by the experts, puts the float32 head
     on a rank that also got its full share of layers.
@@ -221,11 +225,11 @@ def resident_split(f: GGUFFile, cfg: ModelConfig, n_ranks: int, numerics: str | 
     if strategy == "host" and native.library() is not None:
         budget = 0  # the native products read the blocks in place: the LRU never fills (ds4_mlx.native)
 
-    def nbytes(name: str) -> int:
+    def nbytes(name: str, rows: range | None = None) -> int:
         lru = budget * routed[name] // total if name in routed else 0
-        return w.resident_nbytes(name, mode, lru)
+        return w.resident_nbytes(name, mode, lru, rows)
 
-    return pipeline.tensor_split(f, cfg.n_layer, n_ranks, nbytes)
+    return pipeline.tensor_split(f, cfg.n_layer, n_ranks, nbytes, cfg.n_vocab)
 
 
 def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend: str | None = None,
@@ -261,10 +265,9 @@ def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend:
                 owned = expert_parallel.owners(cfg.n_expert, group.size())[group.rank()]
                 model = _build(f, cfg, mode, backend, strategy, group=group, experts=owned)
             else:
-                ranges = resident_split(f, cfg, group.size(), mode, backend, strategy)
-                cuts = dist.rank0s(group, [r.start for r in ranges] + [ranges[-1].stop])
-                ranges = [range(a, b) for a, b in zip(cuts, cuts[1:])]
-                model = _build(f, cfg, mode, backend, strategy, group=group, layers=ranges[group.rank()])
+                split = resident_split(f, cfg, group.size(), mode, backend, strategy)
+                split = pipeline.PipelineSplit.from_ints(dist.rank0s(group, split.to_ints()), cfg.n_vocab)
+                model = _build(f, cfg, mode, backend, strategy, group=group, split=split)
         else:
             model = _build(f, cfg, mode, backend, strategy)
         f.check_intact()  # truncated while loading: a clean error naming it, before any use
@@ -276,9 +279,10 @@ def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend:
 
 
 def _build(f: GGUFFile, cfg: ModelConfig, mode: Numerics, backend: str | None, strategy: str = "host",
-           group=None, layers: range | None = None, experts: range | None = None) -> Model:
-    """The whole model, or with ``group``: one pipeline rank's part (its ``layers`` only; the output
-    head only on the last rank), so the rank never builds, copies or reads the other layers; or one
+           group=None, split: pipeline.PipelineSplit | None = None, experts: range | None = None) -> Model:
+    """The whole model, or with ``group``: one pipeline rank's part of ``split`` (its layers only;
+    the output mix and norm on the last rank, the head's rows split between rank 0 and the last
+    rank), so the rank never builds, copies or reads the other layers or rows; or one
     expert-parallel rank's (all layers, only the routed ``experts`` it owns; the head on rank 0 only)."""
     w = _Weights(f, backend, strategy, owned=experts)
     emb_name = EMBEDDING
@@ -290,20 +294,30 @@ def _build(f: GGUFFile, cfg: ModelConfig, mode: Numerics, backend: str | None, s
         raise LayoutError(f"{f.path}: {emb_name} must be F16 of shape {(cfg.n_vocab, cfg.n_embd)}, "
                           f"found {embedding.dtype} {embedding.shape}")
     ops = ops_for(mode)  # the numerics, bound once: every module gets this object
-    own = range(cfg.n_layer) if layers is None else layers
+    own = range(cfg.n_layer) if split is None else split.layers[group.rank()]
     gather = None if experts is None else expert_parallel.RankGather(group)
     blocks = [_block(cfg, w, il, ops, gather) for il in own]
+    # The head. One process: all of it. A pipeline: the output mix and norm on the last rank, the
+    # rows of the output matrix shared by rank 0 and the last rank (``split.head_rows``). Expert
+    # parallel: all of it on rank 0 only, the one rank that computes logits (the others run every
+    # layer but never the head, so they hold none of it).
+    if experts is not None:
+        mixes = group.rank() == 0
+        rows = range(cfg.n_vocab) if mixes else range(0)
+    else:
+        mixes = own.stop == cfg.n_layer
+        rows = range(cfg.n_vocab) if split is None else split.head_rows(group.rank())
     output_hc = output_norm = output = None
-    # The head: on the last pipeline rank; in expert parallel on rank 0 only, the one rank that
-    # computes logits (the others run every layer but never the head, so they hold none of it).
-    if own.stop == cfg.n_layer and (experts is None or group.rank() == 0):
+    if mixes:
         output_hc = OutputHC(w.dense("output_hc_fn.weight"), w.f32("output_hc_scale.weight", (1,)),
                              w.f32("output_hc_base.weight", (cfg.n_hc,)), cfg.hc_eps, cfg.rms_eps, ops)
-        output_norm, output = w.f32("output_norm.weight", (cfg.n_embd,)), w.dense("output.weight")
+        output_norm = w.f32("output_norm.weight", (cfg.n_embd,))
+    if len(rows):
+        output = w.dense("output.weight", rows)
     parts = dict(embedding=embedding, blocks=blocks, output_hc=output_hc, output_norm=output_norm,
                  output=output, source=f)
     if group is None:
         return Model(cfg, ops, **parts)
     if experts is not None:
         return expert_parallel.ExpertParallelModel(cfg, ops, group=group, experts=experts, **parts)
-    return pipeline.PipelineModel(cfg, ops, group=group, layers=own, **parts)
+    return pipeline.PipelineModel(cfg, ops, group=group, layers=own, head_rows=rows, **parts)

@@ -94,8 +94,18 @@ class Model:
 
     def head(self, H: mx.array) -> mx.array:
         """H [T, n_hc, n_embd] -> logits [T, n_vocab]."""
-        y = self.output_hc(H)
-        return self.ops.linear(self.output, self.ops.rms_norm(y, self.output_norm, self.config.rms_eps))
+        return self.head_logits(self.head_hidden(H))
+
+    # The head in two halves, so a pipeline can share the output matrix's rows between ranks: the
+    # last rank mixes and norms (``head_hidden``), each rank multiplies its own rows (``head_logits``).
+
+    def head_hidden(self, H: mx.array) -> mx.array:
+        """H [T, n_hc, n_embd] -> the output mix, RMS-normed: [T, n_embd], what the output matrix multiplies."""
+        return self.ops.rms_norm(self.output_hc(H), self.output_norm, self.config.rms_eps)
+
+    def head_logits(self, x: mx.array) -> mx.array:
+        """``head_hidden``'s [T, n_embd] -> the logits of the output rows this model holds [T, rows]."""
+        return self.ops.linear(self.output, x)
 
     def decoder(self, compile: bool = True):
         """The (cached) ``CompiledDecoder`` of this model; ``compile=False``: the same fixed-shape
