@@ -89,17 +89,19 @@ def test_each_rank_gets_its_share_of_the_default_expert_budget(run, tiny_model_p
     assert sum(p["expert_cache"]["bytes"] for p in run["per_rank"]) <= run["one"]["expert_cache"]["bytes"]
 
 
-def test_ranks_without_the_head_are_within_the_target(run):
-    """The issue's target, <= 0.6x the one-process peak RSS, on every rank that does not hold the
-    output head."""
-    for p in run["per_rank"][:-1]:
-        assert p["rss_ratio"] <= 0.6, p
+def test_sharing_the_head_evens_the_ranks(run):
+    """With the output head whole on the last rank that rank peaked at 0.77x the one process (rank
+    0: 0.49x; this run's 8 + 2 tokens); its rows shared with rank 0 (0.59x / 0.67x), no rank passes
+    0.7x. The issue's 0.6x is the xfail below."""
+    assert run["rss_ratio_max"] <= 0.7, run["per_rank"]
 
 
 @pytest.mark.xfail(strict=True, reason="the tiny model's output head (129280 x 512: 252 MiB as float32 on the "
-                   "CPU backend) is about 40 % of the one-process peak, and the pipeline keeps it whole on the "
-                   "last rank, which also needs at least one layer (benchmarks/NOTES.md, 'Distributed'; the "
-                   "4-layer real-dims model meets it in default numerics: 0.56x)")
+                   "CPU backend) is about 40 % of the one-process peak; shared between rank 0 and the last rank "
+                   "it evens the ranks, but the worse one still peaks at 0.65x (32 + 8 tokens; 0.67x here): on a "
+                   "model this small the per-process floor (Python, MLX, BLAS, the mapping, the activations) is "
+                   "itself a sixth of the one-process peak (benchmarks/NOTES.md, 'Distributed'; the 4-layer "
+                   "real-dims model meets it in both numerics: 0.53x default, 0.54x ds4-cpu)")
 def test_every_rank_is_within_the_target(run):
     assert run["rss_ratio_max"] <= 0.6, run["per_rank"]
 
