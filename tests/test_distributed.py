@@ -387,6 +387,24 @@ def test_ranks_started_differently_are_one_line_on_every_rank(tiny_model_path, s
             + line.format(**mine)), (rank, err)
 
 
+def test_ranks_of_another_protocol_version_refuse_each_other(tiny_model_path, tmp_path):
+    """Rank 1 runs ds4-mlx code of the previous protocol (version 1: the whole logits from the last
+    rank, where version 2 shares the head's rows with rank 0): both ranks stop at the join with one
+    line naming it, instead of misreading each other's messages."""
+    from ds4_mlx.model.distributed import PROTOCOL_VERSION
+
+    args = ["generate", "-m", str(tiny_model_path), "-p", "hi", "-n", "2", "--distributed", "pipeline"]
+    old = [sys.executable, "-c", "import sys; from ds4_mlx.model import distributed; distributed.PROTOCOL_VERSION = 1; "
+           "from ds4_mlx.frontends.cli import main; sys.exit(main(sys.argv[1:]))"] + args
+    results = _by_hand([CLI + args, old], tmp_path, timeout=120)
+    for rank, (code, out, err) in enumerate(results):
+        assert code == 2 and out == "", (rank, code, out, err)
+        assert err.strip().splitlines() == [
+            f"ds4-mlx generate: error: rank {rank}: rank {1 - rank} runs with a different ds4-mlx protocol "
+            f"(this rank: version {PROTOCOL_VERSION if rank == 0 else 1}); every rank must run the same command "
+            "on the same model"], (rank, err)
+
+
 def test_a_rank_that_joins_but_never_answers_ends_the_run(tiny_model_path, tmp_path):
     """Rank 1 is some other program that joins the ring and then says nothing (what a stranger
     connected to our ports looks like): rank 0 must not wait for it for ever."""
