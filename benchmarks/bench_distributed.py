@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -259,8 +260,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _run_all(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """``cmd`` in a session of its own; past ``timeout`` every process of that session is killed
+    (``subprocess.run(timeout=)`` kills only ``cmd``: under ``mlx.launch`` that is the launcher, and
+    the ranks it started kept spinning on their sockets) and ``TimeoutExpired`` raised."""
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    finally:
+        if proc.poll() is None:  # an exception of ours while waiting: leave nothing behind
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def _run(cmd: list[str], what: str, timeout: float) -> None:
-    r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
+    r = _run_all(cmd, timeout)
     if r.returncode != 0:
         tail = (r.stdout + r.stderr).strip().splitlines()[-1:]
         raise RuntimeError(f"{what} failed (exit {r.returncode}): " + " | ".join(tail))
@@ -285,7 +305,7 @@ def measure(model: Path, mode: str = "pipeline", ranks: int = 2, prompt_tokens: 
         # on one machine do not collide
         cmd = LAUNCH + ["-n", str(ranks), "--backend", "ring", "--starting-port", str(_free_port()), "--"] \
             + _worker_cmd(args, out, mode)
-        r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
+        r = _run_all(cmd, timeout)
         log = " | ".join((r.stdout + r.stderr).strip().splitlines()[-5:])
         per_rank = [_read(out / f"rank{i}.json", f"rank {i}", log) for i in range(ranks)]
     lead = per_rank[0]

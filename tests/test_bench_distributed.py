@@ -170,3 +170,33 @@ def test_bad_settings_are_refused(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         bd.main(argv)
     assert exc.value.code == 2 and "must be" in capsys.readouterr().err
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie nobody reaped, e.g. under a container's init, counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+def test_a_timed_out_run_leaves_no_process_behind(tmp_path):
+    """Past the timeout every process the command started is killed, not only the command (under
+    mlx.launch the command is the launcher, and orphaned ranks kept spinning on their sockets)."""
+    import subprocess
+    import sys
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    script = ("import subprocess, sys, time\n"
+              f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+              f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+              "time.sleep(120)\n")
+    with pytest.raises(subprocess.TimeoutExpired):
+        bd._run_all([sys.executable, "-c", script], timeout=3)
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(child)
