@@ -260,12 +260,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_all(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
-    """``cmd`` in a session of its own; past ``timeout`` every process of that session is killed
-    (``subprocess.run(timeout=)`` kills only ``cmd``: under ``mlx.launch`` that is the launcher, and
-    the ranks it started kept spinning on their sockets) and ``TimeoutExpired`` raised."""
-    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+def _run_all(cmd: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``cmd`` (with ``env``, else this script's) in a session of its own; past ``timeout`` every
+    process of that session is killed (``subprocess.run(timeout=)`` kills only ``cmd``: under
+    ``mlx.launch`` that is the launcher, and the ranks it started kept spinning on their sockets) and
+    ``TimeoutExpired`` raised. tests/test_distributed.py launches its runs with it too."""
+    proc = subprocess.Popen(cmd, env=_env() if env is None else env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

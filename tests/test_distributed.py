@@ -25,6 +25,8 @@ import pytest
 from ds4_mlx.errors import DistributedError, LayoutError
 from ds4_mlx.model.pipeline import gguf_split, split_layers
 
+import bench_distributed  # benchmarks/, on the path by conftest: its _run_all kills a run whole
+
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = [sys.executable, "-c", "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())"]
 CLI = [sys.executable, "-m", "ds4_mlx.frontends.cli"]
@@ -68,15 +70,7 @@ def _run(cmd: list[str], timeout: float = 300, **extra) -> subprocess.CompletedP
     if cmd[:len(LAUNCH)] == LAUNCH and "--starting-port" not in cmd:
         n = int(cmd[cmd.index("-n") + 1]) if "-n" in cmd else 1
         cmd = LAUNCH + ["--starting-port", str(_free_ports(n))] + cmd[len(LAUNCH):]
-    proc = subprocess.Popen(cmd, env=_env(**extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return bench_distributed._run_all(cmd, timeout, env=_env(**extra))
 
 
 def _hostfile(tmp_path: Path, n: int = 2) -> Path:
