@@ -161,18 +161,12 @@ def _finish_body(last, counter: _Counter):
     return body
 
 
-def _head_body(model_ref, last, counter: _Counter):
+def _head_body(model_ref, last, counter: _Counter, part: str = "head"):
+    """The last FFN's tail, then ``Model.<part>``: "head" (the logits) or "head_hidden" (the normed
+    hidden state a pipeline's last rank sends rank 0)."""
     def body(carry):
         counter.n += 1
-        return model_ref().head(_finish_ffn(carry, last))[0]
-
-    return body
-
-
-def _hidden_body(model_ref, last, counter: _Counter):
-    def body(carry):
-        counter.n += 1
-        return model_ref().head_hidden(_finish_ffn(carry, last))[0]
+        return getattr(model_ref(), part)(_finish_ffn(carry, last))[0]
 
     return body
 
@@ -216,7 +210,7 @@ class CompiledDecoder:
             self._layer_fns.append(wrap(make(b, blocks[i - 1] if i else None, templates[b.il], self._counter)))
         self._head_fn = wrap(_head_body(self._model, blocks[-1], self._counter))
         self._finish_fn = wrap(_finish_body(blocks[-1], self._counter))
-        self._hidden_fn = wrap(_hidden_body(self._model, blocks[-1], self._counter))
+        self._hidden_fn = wrap(_head_body(self._model, blocks[-1], self._counter, "head_hidden"))
 
     @property
     def model(self):

@@ -324,7 +324,9 @@ class PipelineModel(DistributedModel):
         if self.head_cut:
             self.transport.send_array(x, 0)
         if self.output is not None:
-            self.transport.send_array(self.head_logits(x)[0], 0)
+            with self.ops.stream():  # the numerics' stream, as rank 0's rows (a step arrives outside it)
+                logits = self.head_logits(x)[0]
+            self.transport.send_array(logits, 0)
 
     def handlers(self):
         return {**super().handlers(), GATHER: self.follow_gather, SCATTER: self.follow_scatter}

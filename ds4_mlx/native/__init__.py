@@ -73,10 +73,6 @@ def _setting() -> str:
     return "off"
 
 
-def _off_reason() -> str:
-    return f"disabled by {ENV_VAR}={os.environ.get(ENV_VAR)}"
-
-
 _warned: set[str] = set()
 
 
@@ -227,7 +223,8 @@ def status(probe: bool = False) -> dict[str, object]:
     if probe:
         library()
     if _setting() == "off" and not _lib:
-        return {"enabled": False, "reason": _off_reason(), "path": None, "threads": threads()}
+        return {"enabled": False, "reason": f"disabled by {ENV_VAR}={os.environ.get(ENV_VAR)}", "path": None,
+                "threads": threads()}
     return {**_state, "threads": threads()}
 
 
