@@ -262,7 +262,7 @@ def test_build_is_cached_and_atomic(monkeypatch, tmp_path):
     native._reset_for_tests()
     assert native.library() is not None and native.status()["path"] == path
     assert os.stat(path).st_mtime_ns == stamp  # reused, not rebuilt
-    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == ["libds4_experts.so"]
+    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == [native.LIBRARY]
 
 
 def test_unknown_setting_is_said_and_runs_the_mlx_path(monkeypatch):

@@ -71,21 +71,38 @@ def test_dense_estimate_of_a_weight_used_by_row_slices():
     assert _built(w) == w.resident_nbytes()
 
 
-@pytest.mark.parametrize("numerics", ["default", "ds4-cpu"])
-def test_dense_estimate_of_a_row_range(tiny_model_path, numerics):
+@pytest.mark.parametrize("numerics", ["default", "ds4-cpu", "default-host-head"])
+def test_dense_estimate_of_a_row_range(tiny_model_path, numerics, monkeypatch):
     """A pipeline rank's share of the output head, ``from_gguf(..., rows=)``: a view of only those
-    rows' bytes in the mapping, whose cached forms hold those rows only, as ``_Weights`` weighs them."""
+    rows' bytes in the mapping, whose cached forms hold those rows only, as ``_Weights`` weighs them.
+    A head multiplied on the host (``loader.host_head``) builds no form and is weighed as its GGUF
+    bytes (read whole every token); "default" here is MLX's float32 head (the native library absent)."""
+    host = numerics == "default-host-head"
+    if host and not native.available():
+        pytest.skip(f"no native library: {native.status()['reason']}")
+    if not host:
+        monkeypatch.setattr(loader, "host_head", lambda *a: False)
+    numerics = "default" if host else numerics
     f, cfg, _ = load_model_file(tiny_model_path)
     try:
         rows = range(1000, 1700)
         w = DenseWeight.from_gguf(f, "output.weight", backend="cpu", rows=rows)
         assert w.shape == (len(rows), cfg.n_embd) and w.raw.base is not None  # a view, not a copy
         assert np.shares_memory(w.raw, f.tensor_array("output.weight"))
-        x = mx.array(np.random.default_rng(3).standard_normal((2, cfg.n_embd)).astype(np.float32))
-        mx.eval(w(x) if numerics == "default" else w.ds4_cpu(x))
+        x_np = np.random.default_rng(3).standard_normal((2, cfg.n_embd)).astype(np.float32)
+        x = mx.array(x_np)
+        if host:
+            assert w.host_product(x_np).shape == (2, len(rows))
+            assert _built(w) == 0
+        else:
+            mx.eval(w(x) if numerics == "default" else w.ds4_cpu(x))
         weights = loader._Weights(f, "cpu", "host")
+        if host:
+            assert weights.resident_nbytes("output.weight", numerics, rows=rows) == w.nbytes
+            assert weights.resident_nbytes("output.weight", "ds4-cpu") > 0  # ds4-cpu keeps its own form
         estimate = weights.resident_nbytes("output.weight", numerics, rows=rows)
-        assert _built(w) == estimate == weights.resident_nbytes("output.weight", numerics) * len(rows) // cfg.n_vocab
+        built = w.nbytes if host else _built(w)
+        assert built == estimate == weights.resident_nbytes("output.weight", numerics) * len(rows) // cfg.n_vocab
         for bad in (range(5, 5), range(0, cfg.n_vocab + 1), range(0, 10, 2)):
             with pytest.raises(LayoutError, match="row range"):
                 DenseWeight.from_gguf(f, "output.weight", backend="cpu", rows=bad)
@@ -272,7 +289,13 @@ def test_the_tiny_model_split(tiny_model_path):
         loads, before = _resident_loads(f, cfg, split, "ds4-cpu"), _resident_loads(f, cfg, whole, "ds4-cpu")
         assert max(loads) < 0.7 * max(before) and abs(loads[0] - loads[1]) < 0.01 * max(loads), (loads, before)
         w = loader._Weights(f, "cpu", "host")
-        assert w.resident_nbytes("output.weight", "default") == 4 * cfg.n_vocab * cfg.n_embd
+        # default numerics: the float32 head MLX multiplies, or its Q8_0 blocks when the native library
+        # multiplies it on the host (``loader.host_head``)
+        q8_0_bytes = cfg.n_vocab * cfg.n_embd // 32 * 34
+        expect = q8_0_bytes if native.available() else 4 * cfg.n_vocab * cfg.n_embd
+        assert w.resident_nbytes("output.weight", "default") == expect
+        assert loader._Weights(f, "cpu", "device").resident_nbytes("output.weight", "default") == \
+            4 * cfg.n_vocab * cfg.n_embd
         assert w.resident_nbytes("token_embd.weight", "default") == 0  # gathered from the mapping
     finally:
         f.close()

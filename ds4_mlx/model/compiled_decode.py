@@ -14,7 +14,9 @@ cannot do) the step is cut at every router:
     eager     expert ids (``MoE.select``), their weights, the routed experts (``ExpertWeights``)
     compiled  head_fn(carry): finish the last FFN, output HC, norm, output matmul -> logits
               (or hidden_fn: the same without the matmul, for a pipeline's last rank, which shares
-              the output matrix's rows with rank 0; or finish_fn: the last FFN only, H for the next rank)
+              the output matrix's rows with rank 0, and for a model whose output matrix is multiplied
+              on the host, ``Model.host_head``, which then follows eagerly; or finish_fn: the last
+              FFN only, H for the next rank)
 
 A MoE that routes on the device (``routes_on_device`` True) has no host break: its whole layer,
 ``Block.__call__`` with the token id as an int32 array, is one compiled function per layer.
@@ -228,7 +230,10 @@ class CompiledDecoder:
         returns the next-token logits [n_vocab], lazily: a caller that never reads them (all but the
         last token of a decoded suffix) skips the output projection, as the chunk path does.
         ``evaluate=False`` leaves the new cache arrays lazy too: the caller evaluates them with what
-        it reads (e.g. ``mx.depends(next_token, cache.arrays())``), one sync for the whole token."""
+        it reads (e.g. ``mx.depends(next_token, cache.arrays())``), one sync for the whole token.
+        A model whose output matrix is multiplied on the host (``Model.host_head``) returns them
+        evaluated (its input read to the host is the step's one wait): the engine reads every decoded
+        token's logits anyway (a suffix of one token decodes, longer ones prefill)."""
         return self.run(self.model.embed(np.array([token], dtype=np.int64)), token, cache, evaluate=evaluate)
 
     def run(self, H: mx.array, token: int, cache: ModelCache, *, until: str = "logits",
@@ -242,10 +247,18 @@ class CompiledDecoder:
         fn = {"logits": self._head_fn, "hidden": self._hidden_fn, "H": self._finish_fn}.get(until)
         if fn is None:
             raise InferenceError(f"CompiledDecoder.run: until must be 'logits', 'hidden' or 'H', got {until!r}")
+        model = self.model
+        host_head = until == "logits" and model.host_head
+        if host_head:
+            fn = self._hidden_fn  # the output matrix is multiplied on the host, outside the trace
         p = cache.n_tokens
         carry = self._layers(H, token, cache)
         out = fn(carry)
         cache.advance(p + 1)
+        if host_head:
+            # its input is read to the host now: the wait for the step (the cache arrays are the
+            # layer functions' sibling outputs, computed with it, evaluated as ``evaluate`` says)
+            out = model.head_logits(out[None])[0]
         if evaluate:
             mx.eval(*cache.arrays())
         return out

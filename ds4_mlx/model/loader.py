@@ -24,7 +24,8 @@ from ds4_mlx.model.device_experts import DeviceExpertWeights, resolve_strategy
 from ds4_mlx.model.experts import EXPERT_CACHE, ExpertWeights, routed_resident_nbytes
 from ds4_mlx.model.hyper_connection import HyperConnection, OutputHC
 from ds4_mlx.model.indexer import Indexer
-from ds4_mlx.model.linear import DenseWeight
+from ds4_mlx.formats.ggml_types import GGMLType
+from ds4_mlx.model.linear import Backend, DenseWeight, resolve_backend
 from ds4_mlx.model.moe import MoE
 from ds4_mlx.model import distributed as dist, expert_parallel, pipeline
 from ds4_mlx.model.ops import DefaultOps, Numerics, ops_for
@@ -95,6 +96,9 @@ class _Weights:
         try:
             if kind == "dense":
                 w = DenseWeight.from_gguf(self.f, name, rows=rows, **self.kw)
+                if name == pipeline.HEAD and host_head(numerics, self.strategy, self.backend, w.qtype):
+                    # no cached form, but the whole matrix is read every token: its pages stay mapped
+                    return w.nbytes
                 return w.ds4_cpu_resident_nbytes() if numerics is Numerics.DS4_CPU else w.resident_nbytes()
             if kind == "experts":
                 e = ExpertWeights.from_gguf(self.f, name, **self.kw)  # a view; decides use_kernels as built
@@ -196,6 +200,17 @@ def _block(cfg: ModelConfig, w: _Weights, il: int, ops: DefaultOps, gather=None)
               n_used=cfg.n_expert_used, weight_scale=cfg.expert_weights_scale, clamp=cfg.swiglu_clamp[il], eps=eps,
               ops=ops, gather=gather)
     return Block(il, hc("attn"), attn, hc("ffn"), ffn)
+
+
+def host_head(numerics: str | Numerics, strategy: str, backend: str | None, qtype: GGMLType | int) -> bool:
+    """Whether the output matrix is multiplied on the host by the native library, from its Q8_0 blocks
+    (``DenseWeight.host_product``; ``Model.host_head``) instead of by MLX as float32: DEFAULT numerics
+    with the host expert strategy on MLX's CPU, a Q8_0 head and the native library built
+    (``DS4_MLX_NATIVE=off`` keeps MLX's). ds4-cpu numerics keep their exact arithmetic, a GPU its own
+    matmul (the logits stay on the device there)."""
+    return (parse_numerics(numerics) is Numerics.DEFAULT and strategy == "host"
+            and GGMLType(qtype) == GGMLType.Q8_0 and resolve_backend(backend) is Backend.CPU
+            and mx.default_device().type == mx.DeviceType.cpu and native.library() is not None)
 
 
 def resident_split(f: GGUFFile, cfg: ModelConfig, n_ranks: int, numerics: str | Numerics = "default",
@@ -315,7 +330,8 @@ def _build(f: GGUFFile, cfg: ModelConfig, mode: Numerics, backend: str | None, s
     if len(rows):
         output = w.dense("output.weight", rows)
     parts = dict(embedding=embedding, blocks=blocks, output_hc=output_hc, output_norm=output_norm,
-                 output=output, source=f)
+                 output=output, source=f,
+                 host_head=output is not None and host_head(mode, strategy, backend, output.qtype))
     if group is None:
         return Model(cfg, ops, **parts)
     if experts is not None:

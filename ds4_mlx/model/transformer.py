@@ -22,6 +22,7 @@ from ds4_mlx.formats.config import ModelConfig
 from ds4_mlx.model.attention import Attention
 from ds4_mlx.model.cache import ChunkAt, LayerCache, ModelCache
 from ds4_mlx.model.compiled_decode import CompiledDecoder
+from ds4_mlx.model.host import to_host
 from ds4_mlx.model.hyper_connection import HyperConnection, OutputHC
 from ds4_mlx.model.linear import DenseWeight
 from ds4_mlx.model.moe import MoE
@@ -69,11 +70,15 @@ class Block:
 
 class Model:
     def __init__(self, cfg: ModelConfig, ops: DefaultOps, *, embedding: np.ndarray, blocks: list[Block],
-                 output_hc: OutputHC, output_norm: mx.array, output: DenseWeight, source=None):
+                 output_hc: OutputHC, output_norm: mx.array, output: DenseWeight, source=None,
+                 host_head: bool = False):
         self.config, self.ops = cfg, ops
         self.embedding = embedding  # [n_vocab, n_embd] float16 (mmap view), rows gathered per token
         self.blocks, self.output_hc, self.output_norm, self.output = blocks, output_hc, output_norm, output
         self.source = source  # the GGUFFile the weights map (kept open while the model lives)
+        # The output matrix multiplied on the host by the native library, read from its Q8_0 blocks
+        # (``DenseWeight.host_product``; the loader decides: ``loader.host_head``), not by MLX as float32.
+        self.host_head = bool(host_head) and output is not None
         self._decoders: dict[bool, object] = {}
 
     @property
@@ -104,7 +109,11 @@ class Model:
         return self.ops.rms_norm(self.output_hc(H), self.output_norm, self.config.rms_eps)
 
     def head_logits(self, x: mx.array) -> mx.array:
-        """``head_hidden``'s [T, n_embd] -> the logits of the output rows this model holds [T, rows]."""
+        """``head_hidden``'s [T, n_embd] -> the logits of the output rows this model holds [T, rows].
+        With ``host_head`` x is read to the host here (an evaluation) and the logits come back as an
+        evaluated array, so this is never called inside ``mx.compile`` then (``CompiledDecoder.run``)."""
+        if self.host_head:
+            return mx.array(self.output.host_product(to_host(x, np.float32)))
         return self.ops.linear(self.output, x)
 
     def decoder(self, compile: bool = True):

@@ -1,12 +1,15 @@
-"""Native routed-expert products for the host expert strategy: build at first use, load with ctypes.
+"""Native products on the host, read in place from the mmapped GGUF blocks: build at first use, load
+with ctypes.
 
 ``experts.c`` (shipped as package data) computes token-expert pairs straight from the quantized blocks
 of the mmapped GGUF tensor; ``ds4_mlx.model.experts.ExpertWeights`` calls it instead of copying the
-selected slabs out and dequantizing them with MLX ops (see experts.c for the arithmetic). The MLX-ops
-path stays as the reference twin and the fallback.
+selected slabs out and dequantizing them with MLX ops (see experts.c for the arithmetic). ``dense.c``
+multiplies a Q8_0 matrix the same way: the output head of the host strategy in DEFAULT numerics
+(``Model.head_logits``), which MLX's CPU backend would otherwise hold and read as float32. The MLX-ops
+paths stay as the reference twins and the fallback.
 
 Built on first use, not at import: the source is compiled with ``$CC`` (else ``cc``) into
-``$XDG_CACHE_HOME/ds4-mlx/native/<hash>/`` (``~/.cache`` when unset), the hash covering the source,
+``$XDG_CACHE_HOME/ds4-mlx/native/<hash>/`` (``~/.cache`` when unset), the hash covering the sources,
 the flags, the compiler's version line and the machine (so a cache shared between hosts never hands
 one CPU a library built for another). The build writes a temporary name and renames it into place,
 so concurrent first uses never load a half-written file.
@@ -42,7 +45,8 @@ from ds4_mlx.formats.ggml_types import BLOCK_GEOMETRY, GGMLType
 
 ENV_VAR = "DS4_MLX_NATIVE"
 THREADS_VAR = "DS4_MLX_NATIVE_THREADS"
-SOURCE = Path(__file__).with_name("experts.c")
+SOURCES = (Path(__file__).with_name("experts.c"), Path(__file__).with_name("dense.c"))
+LIBRARY = "libds4_native.so"
 ABI = 1
 BASE_FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-fast-math")
 TUNE_FLAGS = ("-march=native",)  # tried first; dropped if the compiler refuses it
@@ -50,7 +54,7 @@ BUILD_TIMEOUT_S = 120
 
 
 class NativeWarning(RuntimeWarning):
-    """The native expert library could not be built or loaded; the MLX path runs instead."""
+    """The native library could not be built or loaded; the MLX paths run instead."""
 
 
 _lock = threading.Lock()
@@ -144,44 +148,66 @@ def _build() -> tuple[ctypes.CDLL | None, str, str | None]:
     if version.returncode != 0:
         return None, f"C compiler {shlex.join(cc)} does not run: {_first_line(version.stderr + version.stdout)}", None
     try:
-        source = SOURCE.read_bytes()
+        sources = b"\0".join(src.read_bytes() for src in SOURCES)
     except OSError as exc:
-        return None, f"cannot read {SOURCE}: {exc}", None
+        return None, f"cannot read the native sources: {exc}", None
     compiler_id = _first_line(version.stdout + version.stderr)
     last_error = "no flags tried"
     for flags in (BASE_FLAGS + TUNE_FLAGS, BASE_FLAGS):
-        key = hashlib.sha256(b"\0".join([source, " ".join(cc).encode(), " ".join(flags).encode(),
+        key = hashlib.sha256(b"\0".join([sources, " ".join(cc).encode(), " ".join(flags).encode(),
                                          compiler_id.encode(), _machine_id().encode()])).hexdigest()[:20]
         out_dir = _cache_root() / key
-        path = out_dir / "libds4_experts.so"
+        path = out_dir / LIBRARY
         if not path.exists():
             try:
                 out_dir.mkdir(parents=True, exist_ok=True)
-                fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out_dir)
-                os.close(fd)
             except OSError as exc:
                 return None, f"cannot write the build cache {out_dir}: {exc}", None
-            try:
-                res = _run([*cc, *flags, "-o", tmp, str(SOURCE)])
-                if res.returncode != 0:
-                    last_error = f"{shlex.join(cc)} failed: {_first_line(res.stderr + res.stdout)}"
-                    continue
-                os.replace(tmp, path)
-            except (OSError, subprocess.SubprocessError) as exc:
-                last_error = f"{shlex.join(cc)} failed: {exc}"
+            error = compile_library(path, flags)
+            if error is not None:
+                last_error = error
                 continue
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
         try:
-            lib = ctypes.CDLL(str(path))
-            if lib.ds4n_abi() != ABI:
-                return None, f"{path}: ABI {lib.ds4n_abi()} is not {ABI}", None
-        except (OSError, AttributeError) as exc:
-            return None, f"cannot load {path}: {exc}", None
-        _declare(lib)
+            lib = load_library(path)
+        except OSError as exc:
+            return None, str(exc), None
         return lib, f"built with {compiler_id} ({' '.join(flags)})", str(path)
     return None, last_error, None
+
+
+def compile_library(path: Path, flags: tuple[str, ...]) -> str | None:
+    """Compile ``SOURCES`` with ``flags`` into ``path`` (a temporary name renamed into place, so a
+    concurrent first use never loads a half-written file). None, or what went wrong in one line."""
+    cc = _compiler()
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=path.parent)
+        os.close(fd)
+    except OSError as exc:
+        return f"cannot write the build cache {path.parent}: {exc}"
+    try:
+        res = _run([*cc, *flags, "-o", tmp, *map(str, SOURCES)])
+        if res.returncode != 0:
+            return f"{shlex.join(cc)} failed: {_first_line(res.stderr + res.stdout)}"
+        os.replace(tmp, path)
+        return None
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"{shlex.join(cc)} failed: {exc}"
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load_library(path: Path | str) -> ctypes.CDLL:
+    """Load a built library and declare its functions; OSError naming what is wrong."""
+    try:
+        lib = ctypes.CDLL(str(path))
+        abi = lib.ds4n_abi()
+    except (OSError, AttributeError) as exc:
+        raise OSError(f"cannot load {path}: {exc}") from None
+    if abi != ABI:
+        raise OSError(f"{path}: ABI {abi} is not {ABI}")
+    _declare(lib)
+    return lib
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -191,6 +217,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ds4n_f32_pairs.restype = i32
     lib.ds4n_ds4_pairs.argtypes = [*common, i64, p, p, p, p, i32]
     lib.ds4n_ds4_pairs.restype = i32
+    lib.ds4n_q8_0_rows.argtypes = [p, i64, i64, i32, i32, p, p, i32]
+    lib.ds4n_q8_0_rows.restype = i32
 
 
 def library() -> ctypes.CDLL | None:
@@ -206,7 +234,7 @@ def library() -> ctypes.CDLL | None:
         lib, reason, path = _build()
         _state.update(enabled=lib is not None, reason=reason, path=path)
         if lib is None:
-            warnings.warn(f"ds4-mlx native experts unavailable ({reason}); using the MLX path",
+            warnings.warn(f"ds4-mlx native products unavailable ({reason}); using the MLX paths",
                           NativeWarning, stacklevel=3)
             return None
         _lib.append(lib)
@@ -297,4 +325,23 @@ def pairs_ds4(lib: ctypes.CDLL, qtype: int, raw: np.ndarray, n_in: int, uniq: np
                             _ptr(xd), _ptr(signed_grid), _ptr(y), threads())
     if rc:
         raise MemoryError(f"native expert product failed (code {rc})")
+    return y
+
+
+def q8_0_rows(lib: ctypes.CDLL, raw: np.ndarray, n_in: int, x: np.ndarray) -> np.ndarray:
+    """Default numerics' product of a Q8_0 matrix read in place: ``raw`` uint8 [rows, n_in/32*34]
+    (rows contiguous; a row slice of the mapping is fine), x float32 [T, n_in] -> float32 [T, rows]
+    (dense.c: the dequantized weight times x, summed in one fixed order)."""
+    elems, block_bytes = BLOCK_GEOMETRY[GGMLType.Q8_0]
+    if raw.dtype != np.uint8 or raw.ndim != 2 or raw.strides[1] != 1 or n_in % elems or n_in < elems \
+            or raw.shape[1] < n_in // elems * block_bytes:
+        raise ValueError(f"native Q8_0 product: {n_in} inputs do not fit blocks of shape {raw.shape} "
+                         f"({raw.dtype}, strides {raw.strides})")
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != n_in:
+        raise ValueError(f"native Q8_0 product: activations of shape {x.shape}, expected [T, {n_in}]")
+    y = np.empty((x.shape[0], raw.shape[0]), dtype=np.float32)
+    rc = lib.ds4n_q8_0_rows(_ptr(raw), raw.strides[0], raw.shape[0], n_in, x.shape[0], _ptr(x), _ptr(y), threads())
+    if rc:
+        raise ValueError(f"native Q8_0 product refused its arguments (code {rc})")
     return y
