@@ -282,12 +282,18 @@ class CompiledDecoder:
             lc = cache.layers[block.il]
             if self._device_routed[il]:
                 carry, arrays = self._layer_fns[il](carry, token_arr, pos, tables, lc.arrays())
-            else:
-                out, arrays = self._layer_fns[il](carry, pos, tables, lc.arrays())
-                H, xn, post, comb, prob, shared = out[:6]
-                sel = ffn.select(out[6] if len(out) > 6 else None, tokens)
-                carry = [ffn.routed_experts(xn, sel, ffn.route_weights(prob, sel)), shared, H, post, comb]
-            # drop the old buffers before anything is evaluated, so MLX may update them in place
-            lc.set_arrays(arrays)
+                # drop the old buffers before anything is evaluated, so MLX may update them in place
+                lc.set_arrays(arrays)
+                del arrays
+                continue
+            out, arrays = self._layer_fns[il](carry, pos, tables, lc.arrays())
+            lc.set_arrays(arrays)  # as above: before the router's scores are read
+            H, xn, post, comb, prob, shared = out[:6]
+            sel = ffn.select(out[6] if len(out) > 6 else None, tokens)
+            # The router's scores are read (on routed layers; hash layers wait for xn below): what
+            # the choice did not need (the shared expert, the FFN mixer's Sinkhorn, the cache's
+            # lanes) runs on MLX's stream while the host multiplies the routed experts, not after.
+            mx.async_eval(shared, post, comb, *arrays)
             del arrays
+            carry = [ffn.routed_experts(xn, sel, ffn.route_weights(prob, sel)), shared, H, post, comb]
         return carry
