@@ -45,7 +45,7 @@ class Attention:
         self.n_group, self.o_rank = cfg.n_out_group, cfg.o_lora_rank
         self.attn_norm, self.q_a, self.q_a_norm, self.q_b = attn_norm, q_a, q_a_norm, q_b
         self.kv, self.kv_norm, self.sinks, self.out_b = kv, kv_norm, sinks, out_b
-        self.out_a = [out_a.rows(g * self.o_rank, (g + 1) * self.o_rank) for g in range(self.n_group)]
+        self.out_a = out_a  # [n_group * o_rank, (n_head / n_group) * head_dim]: one block of rows per group
         self.compressor, self.index_compressor, self.indexer = compressor, index_compressor, indexer
         self.rope = Rope(cfg, il)
         self.kq_scale = float(np.float32(1.0) / np.sqrt(np.float32(self.head_dim)))
@@ -97,8 +97,7 @@ class Attention:
         """heads [L, H, D] (after the inverse RoPE) -> a = Wo_b · concat_g(Wo_a[g] · group g)."""
         L, H, D = heads.shape
         groups = heads.reshape(L, self.n_group, (H // self.n_group) * D)
-        low = mx.concatenate([self.ops.linear(self.out_a[g], groups[:, g]) for g in range(self.n_group)], axis=-1)
-        return self.ops.linear(self.out_b, low)
+        return self.ops.linear(self.out_b, self.ops.grouped_linear(self.out_a, groups))
 
     # -- attention over the visible rows -----------------------------------------------------------
 

@@ -260,6 +260,7 @@ class DenseWeight:
         self._affine: tuple[mx.array, mx.array, mx.array] | None = None
         self._blocks: mx.array | None = None
         self._ds4: Any = None
+        self._groups: list[DenseWeight] | None = None
 
     @classmethod
     def from_gguf(cls, gguf_file, name: str, backend: "Backend | str | None" = None, *,
@@ -422,6 +423,32 @@ class DenseWeight:
         """x [..., in] -> [..., out] with ds4.c's CPU arithmetic (module docstring), on the CPU stream."""
         with mx.stream(mx.cpu):
             return self._apply(x, self._ds4_matmul)
+
+    def groups(self, n: int) -> list["DenseWeight"]:
+        """The rows in ``n`` equal consecutive groups (row slices sharing this weight's caches)."""
+        out_dim = self.shape[0]
+        if n < 1 or out_dim % n:
+            raise LayoutError(f"tensor {self.name!r}: {out_dim} rows do not split into {n} groups")
+        if getattr(self, "_groups", None) is None or len(self._groups) != n:
+            step = out_dim // n
+            self._groups = [self.rows(g * step, (g + 1) * step) for g in range(n)]
+        return self._groups
+
+    def grouped(self, x: mx.array) -> mx.array:
+        """x [L, G, in] -> [L, out]: group g of the rows (``groups(G)``) times x[:, g], in DEFAULT
+        numerics. On the CPU backend one batched matmul over the float32 form viewed as [G, in, out/G]
+        (each group the same GEMM as its row slice alone, so the same bits), one graph node instead of
+        a slice, a matmul and a concatenation per group; elsewhere group by group."""
+        L, G, n_in = x.shape
+        if n_in != self.shape[1] or self.shape[0] % G:
+            raise LayoutError(f"tensor {self.name!r}: grouped input of shape {tuple(x.shape)} does not fit "
+                              f"{self.shape[0]} rows of {self.shape[1]}")
+        if self.backend is not Backend.CPU or self._parent is not None:
+            return mx.concatenate([g(x[:, i]) for i, g in enumerate(self.groups(G))], axis=-1)
+        rows = self.shape[0] // G
+        w3 = self.dense().reshape(G, rows, n_in).transpose(0, 2, 1)  # a view: [G, in, rows]
+        xg = x.astype(mx.float32).transpose(1, 0, 2)  # [G, L, in]
+        return mx.matmul(xg, w3).transpose(1, 0, 2).reshape(L, G * rows)
 
     def host_product(self, x: np.ndarray) -> np.ndarray:
         """x float32 [T, in] (numpy) -> [T, out]: DEFAULT numerics' product computed on the host by

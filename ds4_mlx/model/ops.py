@@ -73,6 +73,10 @@ class DefaultOps:
         """``DenseWeight`` w applied to x [..., in] -> [..., out]."""
         return w(x)
 
+    def grouped_linear(self, w, x: mx.array) -> mx.array:
+        """``DenseWeight`` w's rows in G groups, group g applied to x[:, g]: x [L, G, in] -> [L, out]."""
+        return w.grouped(x)
+
     def experts(self, e, x: mx.array, ids) -> mx.array:
         """``ExpertWeights`` e on x [T, k|1, in] for expert ids [T, k] -> [T, k, out]."""
         return e(x, ids)
@@ -204,6 +208,10 @@ class Ds4CpuOps(DefaultOps):
 
     def linear(self, w, x: mx.array) -> mx.array:
         return w.ds4_cpu(x)  # Q8-quantized activations, integer block sums (``linear``)
+
+    def grouped_linear(self, w, x: mx.array) -> mx.array:
+        # ds4 multiplies each group's rows on its own (its Q8 activation blocks lie within a group)
+        return mx.concatenate([g.ds4_cpu(x[:, i]) for i, g in enumerate(w.groups(x.shape[1]))], axis=-1)
 
     def experts(self, e, x: mx.array, ids) -> mx.array:
         return e.ds4_cpu(x, ids)  # Q8_K-quantized activations, integer super-block sums (``experts``)
