@@ -110,15 +110,32 @@ def test_compiled_decode_matches_uncompiled_over_300_steps(long_run):
     assert same_top >= 0.97, f"argmax equal on {same_top:.1%} of steps"
 
 
+def _expected_traces(config, positions, capacity_at) -> list[int]:
+    """What ``CompiledDecoder.traces`` reads after each step at ``positions``: one trace per function
+    the first time it meets a buffer shape, i.e. per (layer, closes-its-window variant, capacity)
+    on layers with compressors, per layer on the others, plus the head once."""
+    seen, out = set(), []
+    for p in positions:
+        for il in range(config.n_layer):
+            r = config.compress_ratio(il)
+            seen.add((il, p % r == r - 1, capacity_at(p)) if r else (il,))
+        out.append(len(seen) + 1)
+    return out
+
+
 @needs_compile
 def test_no_retrace_per_token(model, long_run):
-    """The Python bodies run only while MLX traces: one trace per layer function and the head,
-    at the first step, then none across the raw window filling up (p = 31), ratio-4 emissions
-    (every 4th), the indexer going live (p = 67), ratio-128 emissions (p = 127, 255)."""
+    """The Python bodies run only while MLX traces: one trace per layer function and the head at
+    the first step, one more per layer with compressors at its first window-closing step (p = 3 for
+    ratio 4, p = 127 for ratio 128: the pooling variant), then none across the raw window filling up
+    (p = 31), later emissions, the indexer going live (p = 67), ratio-128 emissions (p = 255)."""
     traces = long_run["traces"]
-    retraced = [i for i, t in enumerate(traces) if t != traces[0]]
-    assert not retraced, f"retraced at steps {retraced}"
-    assert long_run["b"].state.capacity == capacity_for(0)
+    cap = capacity_for(0)
+    assert long_run["b"].state.capacity == cap
+    cfg = model.config
+    assert traces == _expected_traces(cfg, range(1, 1 + len(traces)), lambda p: cap)
+    n_compressed = sum(1 for il in range(cfg.n_layer) if cfg.compress_ratio(il))
+    assert traces[-1] == cfg.n_layer + 1 + n_compressed  # two variants of those layers, no more
 
 
 @needs_compile
@@ -153,7 +170,10 @@ def test_buffer_growth_retraces_once_per_capacity(model, tokens, monkeypatch):
         dec.step(t, cache)
         counts.append((cache.n_tokens, cache.capacity, dec.traces))
     assert [c[1] for c in counts] == [128] * 8 + [256] * 7
-    assert [c[2] for c in counts] == [n_fns] * 8 + [n_fns + n_grown] * 7
+    cfg = model.config
+    assert [c[2] for c in counts] == _expected_traces(cfg, range(120, 135), lambda p: 128 if p < 128 else 256)
+    # the non-closing variants: traced at the first step, then again only after the growth
+    assert counts[0][2] == n_fns and counts[8][2] - counts[7][2] == n_grown
     for il, lc in enumerate(cache.layers):
         r = model.config.compress_ratio(il)
         if r:

@@ -117,7 +117,7 @@ def _run_steps(comp: Compressor, xs: np.ndarray) -> _Lane:
     lane = CompressorLane.empty(R, comp.dim, comp.coff, capacity_for(n))
     for p in range(n):
         c, s = comp.rope.tables(np.array([p - p % R]))
-        lane.at = StepAt(mx.array(p, dtype=mx.int32), None, None, c, s)
+        lane.at = StepAt(mx.array(p, dtype=mx.int32), None, None, c, s, closes=p % R == R - 1)
         comp(mx.array(xs[p:p + 1]), lane)
     assert lane.rows.shape[0] == capacity_for(n) // R  # fixed shapes: the buffer never changes size
     return _Lane(*lane.state(n))

@@ -138,8 +138,12 @@ class StepAt:
     L = 1
 
     def __init__(self, pos: mx.array, cos: mx.array, sin: mx.array, wcos: mx.array | None = None,
-                 wsin: mx.array | None = None):
+                 wsin: mx.array | None = None, *, closes: bool):
         self.pos, self.cos, self.sin, self.wcos, self.wsin = pos, cos, sin, wcos, wsin
+        # Known on the host, fixed for a trace: this token is the last of its compressor window
+        # (pos % ratio == ratio - 1 on a layer with compressors; False on the others), so the window
+        # is pooled into its row now. The decoder traces a layer once for each value.
+        self.closes = bool(closes)
 
     def tables(self, rope) -> tuple[mx.array, mx.array]:
         return self.cos, self.sin
@@ -200,11 +204,11 @@ class CompressorLane:
     def windows(self, k: mx.array, g: mx.array) -> tuple[mx.array, mx.array, np.ndarray | None] | None:
         """Take this call's projections k, g [L, coff·dim] (g incl. APE) into the frontier, leave it
         canonical, and return the windows to pool: (slot_k, slot_g [n, S, dim], first positions of
-        the windows or None for a step), or None when a chunk closes no window.
+        the windows or None for a step), or None when a chunk or a step closes no window.
 
         Slots: R = 128: the window's tokens; R = 4: (previous window r, this window r) interleaved
         through the column halves [0, D) / [D, 2D), as ds4 accumulates them. A chunk returns every
-        window it completes; a step returns the open window (its row is provisional until closed).
+        window it completes; a step the window its token closes (``StepAt.closes``).
         """
         if self.at.fixed:
             return self._step_windows(k, g)
@@ -251,30 +255,30 @@ class CompressorLane:
         row = (r + 4 if R == 4 else r).reshape(1)
         kst = mx.slice_update(self.kst, k, row, axes=(0,))
         gst = mx.slice_update(self.gst, g, row, axes=(0,))
+        if not self.at.closes:  # the window stays open: nothing to pool, its row is not visible yet
+            self.kst, self.gst = kst, gst
+            return None
         if R == 4:
             slot_k = _overlap_slots(kst[None, :4], kst[None, 4:], D)
             slot_g = _overlap_slots(gst[None, :4], gst[None, 4:], D)
+            # the window's rows leave the frontier: they become the previous half
+            self.kst = mx.concatenate([kst[4:], mx.zeros((4, W), dtype=mx.float32)], axis=0)
+            self.gst = mx.concatenate([gst[4:], mx.full((4, W), EMPTY_SCORE, dtype=mx.float32)], axis=0)
         else:
             slot_k, slot_g = kst.reshape(1, R, D), gst.reshape(1, R, D)
-        # On emission the window's rows leave the frontier (R = 4: they become the previous half).
-        emit = r == R - 1
-        if R == 4:
-            self.kst = mx.where(emit, mx.concatenate([kst[4:], mx.zeros((4, W), dtype=mx.float32)], axis=0), kst)
-            self.gst = mx.where(emit, mx.concatenate([gst[4:], mx.full((4, W), EMPTY_SCORE, dtype=mx.float32)],
-                                                     axis=0), gst)
-        else:
-            self.kst = mx.where(emit, mx.zeros_like(kst), kst)
-            self.gst = mx.where(emit, mx.full(gst.shape, EMPTY_SCORE, dtype=mx.float32), gst)
+            self.kst = mx.zeros_like(kst)
+            self.gst = mx.full(gst.shape, EMPTY_SCORE, dtype=mx.float32)
         return slot_k, slot_g, None
 
     def commit(self, rows: mx.array | None) -> mx.array:
         """Store the pooled rows of ``windows`` and return the rows this call's queries may see:
         a chunk: exactly the valid rows after it [n_new // R, dim] (built as before any buffer
         existed: the previous rows followed by the emitted ones); a step: the whole buffer (the
-        caller masks rows >= (pos + 1) // R)."""
+        caller masks rows >= (pos + 1) // R; slots of open windows hold nothing meaningful)."""
         R = self.ratio
         if self.at.fixed:
-            self.rows = mx.slice_update(self.rows, rows, (self.at.pos // R).reshape(1), axes=(0,))
+            if rows is not None:
+                self.rows = mx.slice_update(self.rows, rows, (self.at.pos // R).reshape(1), axes=(0,))
             return self.rows
         prev = self.rows[: self.at.p0 // R]
         if rows is None:

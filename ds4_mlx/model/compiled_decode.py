@@ -30,11 +30,12 @@ backend the first trace of a new shape also builds its fused kernels with the sy
 (cached on disk under $TMPDIR/mlx/<version>/cpu; ~5 s for the real dims the first time); without
 a compiler mx.compile falls back to plain calls.
 
-Compressor emission has no branch: every step pools the open window and writes the result to the
-row slot of that window, counted only once the window closes. Measured at the real dims on this
-2-core CPU: 0.74 ms per ratio-128 layer and step, 0.16 ms per ratio-4 lane, against ~0.2 s for the
-rest of a real-dims layer's decode step (~0.4 %), so one trace per layer beats a second, emitting
-variant of every function.
+Compressor emission is chosen on the host: a layer with compressors has two traced functions, one
+for the step that closes its window (pooled into the window's row: ``StepAt.closes``) and one for
+the others (the token only joins the frontier), so a ratio-4 layer pools on one step in four and a
+ratio-128 layer on one in 128. (Pooling every step without a branch cost ~200 graph nodes a ratio-4
+layer on the tiny model, where a decode step is bound by its node count; at the real dims it was
+~0.4 % of a step.)
 
 Numerics. The arithmetic is the chunk path's DEFAULT arithmetic for a one-token chunk (the same
 module code; only the cache's layout-dependent parts and the key selection take their fixed-shape
@@ -132,11 +133,12 @@ def _finish_ffn(carry: list[mx.array], prev) -> mx.array:
     return prev.ffn_post(*carry)
 
 
-def _host_routed_layer(block, prev, template: LayerCache, counter: _Counter):
-    """Everything of layer ``block`` up to its router, after the previous layer's FFN tail."""
+def _host_routed_layer(block, prev, template: LayerCache, counter: _Counter, closes: bool):
+    """Everything of layer ``block`` up to its router, after the previous layer's FFN tail
+    (``closes``: the step closes the layer's compressor windows, ``StepAt.closes``)."""
     def body(carry, pos, tables, arrays):
         counter.n += 1
-        cache = template.view(arrays, StepAt(pos, *tables))
+        cache = template.view(arrays, StepAt(pos, *tables, closes=closes))
         H = block.attention_part(_finish_ffn(carry, prev), cache)
         xn, post, comb, prob, shared, choice = block.ffn_pre(H)
         out = [H, xn, post, comb, prob, shared] + ([] if choice is None else [choice])
@@ -145,11 +147,11 @@ def _host_routed_layer(block, prev, template: LayerCache, counter: _Counter):
     return body
 
 
-def _device_routed_layer(block, prev, template: LayerCache, counter: _Counter):
+def _device_routed_layer(block, prev, template: LayerCache, counter: _Counter, closes: bool):
     """The whole layer (``Block.__call__``): its MoE routes on the device."""
     def body(carry, token, pos, tables, arrays):
         counter.n += 1
-        cache = template.view(arrays, StepAt(pos, *tables))
+        cache = template.view(arrays, StepAt(pos, *tables, closes=closes))
         return [block(_finish_ffn(carry, prev), token, cache)], cache.arrays()
 
     return body
@@ -209,7 +211,11 @@ class CompiledDecoder:
         # each block finds its cache by its own index ``il``, and the first one starts from H.
         for i, b in enumerate(blocks):
             make = _device_routed_layer if self._device_routed[i] else _host_routed_layer
-            self._layer_fns.append(wrap(make(b, blocks[i - 1] if i else None, templates[b.il], self._counter)))
+            prev, template = blocks[i - 1] if i else None, templates[b.il]
+            # a layer with compressors: one function for the steps that close a window (pool it into
+            # its row), one for the others (only the frontier takes the token)
+            self._layer_fns.append({closes: wrap(make(b, prev, template, self._counter, closes))
+                                    for closes in ((False, True) if b.attn.ratio else (False,))})
         self._head_fn = wrap(_head_body(self._model, blocks[-1], self._counter))
         self._finish_fn = wrap(_finish_body(blocks[-1], self._counter))
         self._hidden_fn = wrap(_head_body(self._model, blocks[-1], self._counter, "head_hidden"))
@@ -280,13 +286,14 @@ class CompiledDecoder:
             if attn.ratio:
                 tables += list(rows.at(p - p % attn.ratio))
             lc = cache.layers[block.il]
+            fn = self._layer_fns[il][bool(attn.ratio) and p % attn.ratio == attn.ratio - 1]
             if self._device_routed[il]:
-                carry, arrays = self._layer_fns[il](carry, token_arr, pos, tables, lc.arrays())
+                carry, arrays = fn(carry, token_arr, pos, tables, lc.arrays())
                 # drop the old buffers before anything is evaluated, so MLX may update them in place
                 lc.set_arrays(arrays)
                 del arrays
                 continue
-            out, arrays = self._layer_fns[il](carry, pos, tables, lc.arrays())
+            out, arrays = fn(carry, pos, tables, lc.arrays())
             lc.set_arrays(arrays)  # as above: before the router's scores are read
             H, xn, post, comb, prob, shared = out[:6]
             sel = ffn.select(out[6] if len(out) > 6 else None, tokens)

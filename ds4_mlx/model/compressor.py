@@ -13,8 +13,8 @@ arrives, before that token's attention:
 One ``__call__`` serves prefill chunks and decode steps; the lane (``cache.CompressorLane``) owns
 the layout: a chunk of L tokens at p0 prepends the frontier to its projections, pools every window
 completed inside it and leaves the leftover tokens as the canonical frontier; a fixed-shape step
-writes its token into the frontier and pools the open window every step (the row counts once the
-window closes), so a compiled step has no branch.
+writes its token into the frontier and pools only when the token closes its window (``StepAt.closes``,
+known on the host: the compiled decoder traces such a layer once for closing steps, once for the rest).
 """
 
 from __future__ import annotations
