@@ -32,6 +32,7 @@ import ds4_mlx
 from ds4_mlx.errors import InferenceError
 from ds4_mlx.model import cache as model_cache
 from ds4_mlx.model.cache import ModelCache, capacity_for
+from ds4_mlx.model.hyper_connection import HyperConnection
 from ds4_mlx.model.numerics import EMPTY_SCORE
 
 N_LONG = 300  # decode steps of the teacher-forced comparison (positions 1..300)
@@ -47,22 +48,31 @@ def model(tiny_model_path):
     return ds4_mlx.load(tiny_model_path, numerics="default").network
 
 
+def mlx_sinkhorn(self, mix):
+    """``HyperConnection.comb_on_host`` computed with the chunk path's MLX ops, for comparisons of
+    what the fixed shapes and compilation change alone (the host's expf differs in the last bits,
+    which FP8 rounding of the KV rows then amplifies: ``test_host_sinkhorn.py`` measures that)."""
+    return np.array(self.split(mx.array(mix))[2])
+
+
 @pytest.fixture(scope="module")
 def long_run(model, tokens):
     """BOS prefilled, then N_LONG teacher-forced decode steps with and without compilation; the
-    trace count after every step of the compiled session."""
+    trace count after every step of the compiled session. The mixers balanced with MLX's ops."""
     dec = model.decoder()
     a = model.new_session(ctx=4096, compile=False)
     b = model.new_session(ctx=4096, compile=True)
     a.prefill(tokens[:1])
     b.prefill(tokens[:1])
     ref, got, traces = [], [], []
-    for t in tokens[1: 1 + N_LONG]:
-        a.eval(t)
-        b.eval(t)
-        ref.append(a.logits())
-        got.append(b.logits())
-        traces.append(dec.traces)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(HyperConnection, "comb_on_host", mlx_sinkhorn)
+        for t in tokens[1: 1 + N_LONG]:
+            a.eval(t)
+            b.eval(t)
+            ref.append(a.logits())
+            got.append(b.logits())
+            traces.append(dec.traces)
     return {"ref": ref, "got": got, "traces": traces, "a": a, "b": b}
 
 
@@ -110,16 +120,23 @@ def test_compiled_decode_matches_uncompiled_over_300_steps(long_run):
     assert same_top >= 0.97, f"argmax equal on {same_top:.1%} of steps"
 
 
-def _expected_traces(config, positions, capacity_at) -> list[int]:
+def _mixers(model) -> int:
+    """Layers whose attention mixer's logits get a function of their own (host-routed layers: the
+    Sinkhorn runs on the host between it and the layer's function)."""
+    return sum(1 for b in model.blocks if not b.ffn.routes_on_device)
+
+
+def _expected_traces(model, positions, capacity_at) -> list[int]:
     """What ``CompiledDecoder.traces`` reads after each step at ``positions``: one trace per function
     the first time it meets a buffer shape, i.e. per (layer, closes-its-window variant, capacity)
-    on layers with compressors, per layer on the others, plus the head once."""
+    on layers with compressors, per layer on the others, plus the mixer functions and the head once."""
+    config = model.config
     seen, out = set(), []
     for p in positions:
         for il in range(config.n_layer):
             r = config.compress_ratio(il)
             seen.add((il, p % r == r - 1, capacity_at(p)) if r else (il,))
-        out.append(len(seen) + 1)
+        out.append(len(seen) + _mixers(model) + 1)
     return out
 
 
@@ -133,9 +150,9 @@ def test_no_retrace_per_token(model, long_run):
     cap = capacity_for(0)
     assert long_run["b"].state.capacity == cap
     cfg = model.config
-    assert traces == _expected_traces(cfg, range(1, 1 + len(traces)), lambda p: cap)
+    assert traces == _expected_traces(model, range(1, 1 + len(traces)), lambda p: cap)
     n_compressed = sum(1 for il in range(cfg.n_layer) if cfg.compress_ratio(il))
-    assert traces[-1] == cfg.n_layer + 1 + n_compressed  # two variants of those layers, no more
+    assert traces[-1] == cfg.n_layer + 1 + n_compressed + _mixers(model)  # two variants of those, no more
 
 
 @needs_compile
@@ -146,9 +163,9 @@ def test_first_step_traces_every_function(model, tokens):
     cache = ModelCache.empty(model.config)
     assert dec.traces == 0
     mx.eval(dec.step(tokens[0], cache))
-    assert dec.traces == model.config.n_layer + 1
+    assert dec.traces == model.config.n_layer + 1 + _mixers(model)
     mx.eval(dec.step(tokens[1], cache))
-    assert dec.traces == model.config.n_layer + 1
+    assert dec.traces == model.config.n_layer + 1 + _mixers(model)
 
 
 @needs_compile
@@ -163,7 +180,7 @@ def test_buffer_growth_retraces_once_per_capacity(model, tokens, monkeypatch):
     cache = s.state.copy()
     assert cache.capacity == 128
     dec = CompiledDecoder(model)
-    n_fns = model.config.n_layer + 1
+    n_fns = model.config.n_layer + 1 + _mixers(model)
     n_grown = sum(1 for il in range(model.config.n_layer) if model.config.compress_ratio(il))
     counts = []
     for t in tokens[120:135]:  # positions 120..134: the step at 127 needs slot 127 // 4 < 32 still
@@ -171,7 +188,7 @@ def test_buffer_growth_retraces_once_per_capacity(model, tokens, monkeypatch):
         counts.append((cache.n_tokens, cache.capacity, dec.traces))
     assert [c[1] for c in counts] == [128] * 8 + [256] * 7
     cfg = model.config
-    assert [c[2] for c in counts] == _expected_traces(cfg, range(120, 135), lambda p: 128 if p < 128 else 256)
+    assert [c[2] for c in counts] == _expected_traces(model, range(120, 135), lambda p: 128 if p < 128 else 256)
     # the non-closing variants: traced at the first step, then again only after the growth
     assert counts[0][2] == n_fns and counts[8][2] - counts[7][2] == n_grown
     for il, lc in enumerate(cache.layers):
@@ -365,9 +382,12 @@ def test_opt_out_and_ds4_cpu_stay_on_the_chunk_path(model, tiny_model_path, toke
 def test_device_routed_moe_compiles_whole_layers(tiny_model_path, tokens, monkeypatch):
     """A MoE that routes on the device (``experts="device"``) gets one function per layer, the whole
     ``Block.__call__`` with no host break; run eagerly, it gives the bits of the same model's
-    host-routed wiring (router read on the host, the same expert arithmetic)."""
+    host-routed wiring (router read on the host, the same expert arithmetic; the host wiring's
+    mixers balanced with the MLX ops here, as in the device layer, instead of ``hc.c``)."""
     import ds4_mlx
     from ds4_mlx.model.compiled_decode import CompiledDecoder
+
+    monkeypatch.setattr(HyperConnection, "comb_on_host", mlx_sinkhorn)
 
     model = ds4_mlx.load(tiny_model_path, experts="device").network
     s = model.new_session(ctx=4096, compile=False)

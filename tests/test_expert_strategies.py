@@ -171,7 +171,9 @@ def test_host_decode_step_syncs_per_routed_layer(engines):
     # and each layer queues what its router did not need (``mx.async_eval``: counted, though the host
     # does not wait there) before the host multiplies the routed experts
     queued = len(model.blocks)
-    assert per_token == 1 + routed + native_reads + head_read + queued > 1
+    # and the two mixers' logits are read for their Sinkhorn on the host (``comb_on_host``)
+    mixers = 2 * len(model.blocks)
+    assert per_token == 1 + routed + native_reads + head_read + queued + mixers > 1
 
 
 def test_counter_catches_a_planted_sync(engines, monkeypatch):

@@ -7,11 +7,16 @@ prefill chunk runs — then ``Block.ffn_pre``. Where the routed experts are chos
 (``MoE.routes_on_device`` False: numpy top-k, expert slabs read out of the mmap, which a trace
 cannot do) the step is cut at every router:
 
-    compiled  layer_fn[il](carry, pos, rope tables, layer cache arrays)
-                  finish the previous layer's FFN (``Block.ffn_post``), ``Block.attention_part``,
-                  ``Block.ffn_pre`` (HC pre, ffn_norm, router scores, shared expert)
-              -> (H, xn, post, C, prob, shared[, choice]), new layer cache arrays
-    eager     expert ids (``MoE.select``), their weights, the routed experts (``ExpertWeights``)
+    compiled  mixer_fn[il](carry): finish the previous layer's FFN (``Block.ffn_post``), then the
+                  attention mixer's logits (``HyperConnection.mix``) -> H, mix
+    eager     the attention mixer's combine matrix from mix, on the host (its Sinkhorn:
+                  ``HyperConnection.comb_on_host``)
+    compiled  layer_fn[il](H, mix, C, pos, rope tables, layer cache arrays)
+                  ``Block.attention_part``, ``Block.ffn_pre`` (HC pre without the Sinkhorn,
+                  ffn_norm, router scores, shared expert)
+              -> (H, xn, post, FFN mixer logits, prob, shared[, choice]), new layer cache arrays
+    eager     expert ids (``MoE.select``), the FFN mixer's combine matrix (host), the routed
+              experts' weights and products (``ExpertWeights``)
     compiled  head_fn(carry): finish the last FFN, output HC, norm, output matmul -> logits
               (or hidden_fn: the same without the matmul, for a pipeline's last rank, which shares
               the output matrix's rows with rank 0, and for a model whose output matrix is multiplied
@@ -64,6 +69,7 @@ import numpy as np
 
 from ds4_mlx.errors import InferenceError
 from ds4_mlx.model.cache import LayerCache, ModelCache, StepAt
+from ds4_mlx.model.host import to_host
 from ds4_mlx.model.rope import Rope
 
 
@@ -133,15 +139,27 @@ def _finish_ffn(carry: list[mx.array], prev) -> mx.array:
     return prev.ffn_post(*carry)
 
 
-def _host_routed_layer(block, prev, template: LayerCache, counter: _Counter, closes: bool):
-    """Everything of layer ``block`` up to its router, after the previous layer's FFN tail
-    (``closes``: the step closes the layer's compressor windows, ``StepAt.closes``)."""
-    def body(carry, pos, tables, arrays):
+def _mixer_input(block, prev, counter: _Counter):
+    """The previous layer's FFN tail, then layer ``block``'s attention mixer logits: [H, mix]."""
+    def body(carry):
+        counter.n += 1
+        H = _finish_ffn(carry, prev)
+        return [H, block.hc_attn.mix(H)]
+
+    return body
+
+
+def _host_routed_layer(block, template: LayerCache, counter: _Counter, closes: bool):
+    """Layer ``block`` from its input H and its attention mixer's logits and combine matrix (the
+    latter computed on the host) up to its router, whose FFN mixer logits it returns in place of
+    the combine matrix (``Block.ffn_pre(comb_on_host=True)``). ``closes``: the step closes the
+    layer's compressor windows (``StepAt.closes``)."""
+    def body(H, mix, comb, pos, tables, arrays):
         counter.n += 1
         cache = template.view(arrays, StepAt(pos, *tables, closes=closes))
-        H = block.attention_part(_finish_ffn(carry, prev), cache)
-        xn, post, comb, prob, shared, choice = block.ffn_pre(H)
-        out = [H, xn, post, comb, prob, shared] + ([] if choice is None else [choice])
+        H = block.attention_part(H, cache, mix, comb)
+        xn, post, ffn_mix, prob, shared, choice = block.ffn_pre(H, comb_on_host=True)
+        out = [H, xn, post, ffn_mix, prob, shared] + ([] if choice is None else [choice])
         return out, cache.arrays()
 
     return body
@@ -209,13 +227,20 @@ class CompiledDecoder:
         self._layer_fns = []
         # ``blocks`` may be a contiguous range of the layers (a pipeline stage, ``pipeline.PipelineModel``):
         # each block finds its cache by its own index ``il``, and the first one starts from H.
+        self._mixer_fns = []
         for i, b in enumerate(blocks):
-            make = _device_routed_layer if self._device_routed[i] else _host_routed_layer
             prev, template = blocks[i - 1] if i else None, templates[b.il]
+            variants = (False, True) if b.attn.ratio else (False,)
             # a layer with compressors: one function for the steps that close a window (pool it into
             # its row), one for the others (only the frontier takes the token)
-            self._layer_fns.append({closes: wrap(make(b, prev, template, self._counter, closes))
-                                    for closes in ((False, True) if b.attn.ratio else (False,))})
+            if self._device_routed[i]:
+                self._layer_fns.append({c: wrap(_device_routed_layer(b, prev, template, self._counter, c))
+                                        for c in variants})
+                self._mixer_fns.append(None)
+            else:
+                self._layer_fns.append({c: wrap(_host_routed_layer(b, template, self._counter, c))
+                                        for c in variants})
+                self._mixer_fns.append(wrap(_mixer_input(b, prev, self._counter)))
         self._head_fn = wrap(_head_body(self._model, blocks[-1], self._counter))
         self._finish_fn = wrap(_finish_body(blocks[-1], self._counter))
         self._hidden_fn = wrap(_head_body(self._model, blocks[-1], self._counter, "head_hidden"))
@@ -293,14 +318,20 @@ class CompiledDecoder:
                 lc.set_arrays(arrays)
                 del arrays
                 continue
-            out, arrays = fn(carry, pos, tables, lc.arrays())
+            # The mixers' Sinkhorn balancing runs on the host (``HyperConnection.comb_on_host``): a
+            # chain of ~100 tiny graph nodes each, against reading 24 logits; the attention mixer's
+            # is read here (its own wait), the FFN mixer's with the router's scores.
+            H, mix = self._mixer_fns[il](carry)
+            comb = mx.array(block.hc_attn.comb_on_host(to_host(mix, np.float32)))
+            out, arrays = fn(H, mix, comb, pos, tables, lc.arrays())
             lc.set_arrays(arrays)  # as above: before the router's scores are read
-            H, xn, post, comb, prob, shared = out[:6]
+            H, xn, post, ffn_mix, prob, shared = out[:6]
             sel = ffn.select(out[6] if len(out) > 6 else None, tokens)
-            # The router's scores are read (on routed layers; hash layers wait for xn below): what
-            # the choice did not need (the shared expert, the FFN mixer's Sinkhorn, the cache's
-            # lanes) runs on MLX's stream while the host multiplies the routed experts, not after.
-            mx.async_eval(shared, post, comb, *arrays)
+            comb = mx.array(block.hc_ffn.comb_on_host(to_host(ffn_mix, np.float32)))
+            # The router's scores are read (on routed layers; hash layers wait for their mixer's
+            # logits): what the choice did not need (the shared expert, the cache's lanes) runs
+            # on MLX's stream while the host multiplies the routed experts, not after them.
+            mx.async_eval(shared, *arrays)
             del arrays
             carry = [ffn.routed_experts(xn, sel, ffn.route_weights(prob, sel)), shared, H, post, comb]
         return carry

@@ -36,9 +36,11 @@ class Block:
     def __init__(self, il: int, hc_attn: HyperConnection, attn: Attention, hc_ffn: HyperConnection, ffn: MoE):
         self.il, self.hc_attn, self.attn, self.hc_ffn, self.ffn = il, hc_attn, attn, hc_ffn, ffn
 
-    def attention_part(self, H: mx.array, cache: LayerCache) -> mx.array:
-        """HC-wrapped attention: H [T, n_hc, n_embd] at the cache's bound positions -> H."""
-        x, post, comb = self.hc_attn.pre(H)
+    def attention_part(self, H: mx.array, cache: LayerCache, mix: mx.array | None = None,
+                       comb: mx.array | None = None) -> mx.array:
+        """HC-wrapped attention: H [T, n_hc, n_embd] at the cache's bound positions -> H. ``mix``,
+        ``comb``: the mixer's logits and combine matrix computed already (``HyperConnection.pre``)."""
+        x, post, comb = self.hc_attn.pre(H, mix, comb)
         return self.hc_attn.post(self.attn(x, cache), H, post, comb)
 
     def ffn_part(self, H: mx.array, tokens) -> mx.array:
@@ -50,10 +52,17 @@ class Block:
     # route on the device): ``ffn_pre`` is everything before the expert choice, ``ffn_post`` after the
     # routed experts; together with ``MoE.route_weights`` / ``routed_experts`` they are ``ffn_part``.
 
-    def ffn_pre(self, H: mx.array) -> tuple[mx.array, ...]:
-        """H -> (xn, post, comb, prob, shared expert output, selection scores or None)."""
+    def ffn_pre(self, H: mx.array, comb_on_host: bool = False) -> tuple[mx.array, ...]:
+        """H -> (xn, post, comb, prob, shared expert output, selection scores or None); with
+        ``comb_on_host`` the FFN mixer's logits in place of comb, whose Sinkhorn the caller computes
+        on the host (``HyperConnection.comb_on_host``)."""
         ffn = self.ffn
-        x, post, comb = self.hc_ffn.pre(H)
+        if comb_on_host:
+            comb = self.hc_ffn.mix(H)
+            pre, post = self.hc_ffn.gains(comb)
+            x = ffn.ops.weighted_streams(H, pre)
+        else:
+            x, post, comb = self.hc_ffn.pre(H)
         xn = ffn.ops.rms_norm(x, ffn.ffn_norm, ffn.eps)
         prob, choice = ffn.router_scores(xn)
         return xn, post, comb, prob, ffn.shared_expert(xn), choice

@@ -5,8 +5,10 @@ with ctypes.
 of the mmapped GGUF tensor; ``ds4_mlx.model.experts.ExpertWeights`` calls it instead of copying the
 selected slabs out and dequantizing them with MLX ops (see experts.c for the arithmetic). ``dense.c``
 multiplies a Q8_0 matrix the same way: the output head of the host strategy in DEFAULT numerics
-(``Model.head_logits``), which MLX's CPU backend would otherwise hold and read as float32. The MLX-ops
-paths stay as the reference twins and the fallback.
+(``Model.head_logits``), which MLX's CPU backend would otherwise hold and read as float32. ``hc.c``
+balances a hyper-connection mixer's 4x4 combine matrix (its Sinkhorn iterations) for the compiled
+decode step, which reads the mixer's logits to the host instead of running ~100 tiny graph nodes
+(``HyperConnection.comb_on_host``). The MLX-ops paths stay as the reference twins and the fallback.
 
 Built on first use, not at import: the source is compiled with ``$CC`` (else ``cc``) into
 ``$XDG_CACHE_HOME/ds4-mlx/native/<hash>/`` (``~/.cache`` when unset), the hash covering the sources,
@@ -45,7 +47,7 @@ from ds4_mlx.formats.ggml_types import BLOCK_GEOMETRY, GGMLType
 
 ENV_VAR = "DS4_MLX_NATIVE"
 THREADS_VAR = "DS4_MLX_NATIVE_THREADS"
-SOURCES = (Path(__file__).with_name("experts.c"), Path(__file__).with_name("dense.c"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("experts.c", "dense.c", "hc.c"))
 LIBRARY = "libds4_native.so"
 ABI = 1
 BASE_FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-fast-math")
@@ -185,7 +187,7 @@ def compile_library(path: Path, flags: tuple[str, ...]) -> str | None:
     except OSError as exc:
         return f"cannot write the build cache {path.parent}: {exc}"
     try:
-        res = _run([*cc, *flags, "-o", tmp, *map(str, SOURCES)])
+        res = _run([*cc, *flags, "-o", tmp, *map(str, SOURCES), "-lm"])
         if res.returncode != 0:
             return f"{shlex.join(cc)} failed: {_first_line(res.stderr + res.stdout)}"
         os.replace(tmp, path)
@@ -219,6 +221,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ds4n_ds4_pairs.restype = i32
     lib.ds4n_q8_0_rows.argtypes = [p, i64, i64, i32, i32, p, p, i32]
     lib.ds4n_q8_0_rows.restype = i32
+    lib.ds4n_hc_sinkhorn.argtypes = [p, i64, i32, p, p, i32, ctypes.c_float, p]
+    lib.ds4n_hc_sinkhorn.restype = i32
 
 
 def library() -> ctypes.CDLL | None:
@@ -345,3 +349,22 @@ def q8_0_rows(lib: ctypes.CDLL, raw: np.ndarray, n_in: int, x: np.ndarray) -> np
     if rc:
         raise ValueError(f"native Q8_0 product refused its arguments (code {rc})")
     return y
+
+
+def hc_sinkhorn(lib: ctypes.CDLL, mix: np.ndarray, n: int, scale: np.ndarray, base: np.ndarray, iters: int,
+                eps: float) -> np.ndarray:
+    """A hyper-connection mixer's combine matrices from its logits (hc.c): mix float32 [T, 2n + n*n],
+    scale [3], base [2n + n*n] -> float32 [T, n, n]."""
+    width = 2 * n + n * n
+    mix = np.ascontiguousarray(mix, dtype=np.float32)
+    scale = np.ascontiguousarray(scale, dtype=np.float32).reshape(-1)
+    base = np.ascontiguousarray(base, dtype=np.float32).reshape(-1)
+    if mix.ndim != 2 or mix.shape[1] != width or scale.size != 3 or base.size != width or not 1 <= n <= 16 \
+            or iters < 1:
+        raise ValueError(f"native Sinkhorn: mix {mix.shape}, scale {scale.shape}, base {base.shape} do not fit "
+                         f"{n} streams ({width} logits), {iters} iterations")
+    out = np.empty((mix.shape[0], n, n), dtype=np.float32)
+    rc = lib.ds4n_hc_sinkhorn(_ptr(mix), mix.shape[0], n, _ptr(scale), _ptr(base), iters, float(eps), _ptr(out))
+    if rc:
+        raise ValueError(f"native Sinkhorn refused its arguments (code {rc})")
+    return out
