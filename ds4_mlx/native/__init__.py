@@ -48,6 +48,7 @@ from ds4_mlx.formats.ggml_types import BLOCK_GEOMETRY, GGMLType
 ENV_VAR = "DS4_MLX_NATIVE"
 THREADS_VAR = "DS4_MLX_NATIVE_THREADS"
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("experts.c", "dense.c", "hc.c"))
+HEADERS = (Path(__file__).with_name("half.h"),)  # included by the sources: part of the build's hash
 LIBRARY = "libds4_native.so"
 ABI = 1
 BASE_FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-fast-math")
@@ -150,7 +151,7 @@ def _build() -> tuple[ctypes.CDLL | None, str, str | None]:
     if version.returncode != 0:
         return None, f"C compiler {shlex.join(cc)} does not run: {_first_line(version.stderr + version.stdout)}", None
     try:
-        sources = b"\0".join(src.read_bytes() for src in SOURCES)
+        sources = b"\0".join(src.read_bytes() for src in SOURCES + HEADERS)
     except OSError as exc:
         return None, f"cannot read the native sources: {exc}", None
     compiler_id = _first_line(version.stdout + version.stderr)

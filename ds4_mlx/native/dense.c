@@ -22,6 +22,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "half.h"
+
 #if defined(__AVX2__) && defined(__F16C__) && !defined(DS4N_PORTABLE)
 #include <immintrin.h>
 #define DS4N_Q8_AVX2 1
@@ -29,24 +31,6 @@
 
 #define QK8_0 32
 #define Q8_0_BYTES 34
-
-/* IEEE half -> float, exactly (as experts.c; a NaN comes back quiet). */
-static float half_to_float(const uint8_t *p) {
-    uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
-    uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
-    float out;
-    if (exp == 0) {
-        out = (float)mant * 5.9604644775390625e-08f; /* mant * 2^-24: exact */
-        memcpy(&bits, &out, 4);
-        bits |= sign;
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000u | (mant << 13) | (mant ? 0x00400000u : 0);
-    } else {
-        bits = sign | ((exp + 112) << 23) | (mant << 13);
-    }
-    memcpy(&out, &bits, 4);
-    return out;
-}
 
 static float fold(const float l[32]) {
     float s[8];
@@ -61,7 +45,7 @@ static float row_dot(const uint8_t *row, const float *x, int nb) {
         const uint8_t *blk = row + (size_t)b * Q8_0_BYTES;
         uint16_t h;
         memcpy(&h, blk, 2);
-        /* the hardware conversion: exact, as half_to_float (both quiet a NaN) */
+        /* the hardware conversion: exact, as ds4n_half_to_float (both quiet a NaN) */
         const __m256 d = _mm256_set1_ps(_cvtsh_ss(h));
         const __m128i qa = _mm_loadu_si128((const __m128i *)(blk + 2));
         const __m128i qb = _mm_loadu_si128((const __m128i *)(blk + 18));
@@ -87,7 +71,7 @@ static float row_dot(const uint8_t *row, const float *x, int nb) {
     float l[32] = {0};
     for (int b = 0; b < nb; b++) {
         const uint8_t *blk = row + (size_t)b * Q8_0_BYTES;
-        const float d = half_to_float(blk);
+        const float d = ds4n_half_to_float(blk);
         const int8_t *q = (const int8_t *)(blk + 2);
         const float *xb = x + (size_t)b * QK8_0;
         for (int j = 0; j < QK8_0; j++) l[j] = l[j] + (d * (float)q[j]) * xb[j];

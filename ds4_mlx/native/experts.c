@@ -24,6 +24,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "half.h"
+
 #define DS4N_ABI 1
 #define QK_K 256
 #define TILE 8
@@ -31,24 +33,6 @@
 enum { GGML_Q2_K = 10, GGML_Q4_K = 12, GGML_IQ2_XXS = 16 };
 
 int ds4n_abi(void) { return DS4N_ABI; }
-
-/* IEEE half -> float, as the hardware conversion does it (a NaN comes back quiet). */
-static float f16_to_f32(const uint8_t *p) {
-    uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
-    uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
-    float out;
-    if (exp == 0) {
-        out = (float)mant * 5.9604644775390625e-08f; /* mant * 2^-24: exact */
-        memcpy(&bits, &out, 4);
-        bits |= sign;
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000u | (mant << 13) | (mant ? 0x00400000u : 0);
-    } else {
-        bits = sign | ((exp + 112) << 23) | (mant << 13);
-    }
-    memcpy(&out, &bits, 4);
-    return out;
-}
 
 static uint32_t le32(const uint8_t *p) {
     return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
@@ -72,7 +56,7 @@ static void decode_row(int qtype, const uint8_t *row, int nb, const uint64_t *si
         int8_t *q = c->q + (size_t)i * QK_K;
         if (qtype == GGML_IQ2_XXS) {
             const uint8_t *b = row + (size_t)i * 66;
-            c->d[i] = f16_to_f32(b);
+            c->d[i] = ds4n_half_to_float(b);
             for (int g = 0; g < 8; g++) {
                 const uint8_t *gp = b + 2 + 8 * g;
                 uint32_t w = le32(gp + 4);
@@ -94,8 +78,8 @@ static void decode_row(int qtype, const uint8_t *row, int nb, const uint64_t *si
                 for (int j = 0; j < 4; j++)
                     for (int l = 0; l < 32; l++)
                         q[128 * h + 32 * j + l] = (int8_t)((qs[32 * h + l] >> (2 * j)) & 3);
-            c->d[i] = f16_to_f32(b + 80);
-            c->dmin[i] = f16_to_f32(b + 82);
+            c->d[i] = ds4n_half_to_float(b + 80);
+            c->dmin[i] = ds4n_half_to_float(b + 82);
         } else { /* Q4_K */
             const uint8_t *b = row + (size_t)i * 144;
             const uint8_t *s = b + 4, *qs = b + 16;
@@ -110,8 +94,8 @@ static void decode_row(int qtype, const uint8_t *row, int nb, const uint64_t *si
                 for (int n = 0; n < 2; n++)
                     for (int l = 0; l < 32; l++)
                         q[64 * p + 32 * n + l] = (int8_t)((qs[32 * p + l] >> (4 * n)) & 15);
-            c->d[i] = f16_to_f32(b);
-            c->dmin[i] = f16_to_f32(b + 2);
+            c->d[i] = ds4n_half_to_float(b);
+            c->dmin[i] = ds4n_half_to_float(b + 2);
         }
     }
 }
