@@ -40,7 +40,9 @@ routed tensor), ``expert_bytes_resident`` (the device strategy's
 copy of the expert blocks), ``peak_rss_bytes`` (VmHWM). Its decode loop is the compiled step with the
 greedy choice on the device: ``step(evaluate=False)``, ``argmax`` of the logits made to depend on the
 new cache arrays, and the token's ``.item()`` -- the one read the host cannot avoid. So the device
-strategy measures 1 sync per token, and the host strategy 1 plus one per routed (non-hash) layer.
+strategy measures 1 sync per token; the host strategy adds per layer its host work's reads (the
+router's scores on routed layers, the two mixers' logits, the native experts' inputs, the queued
+``async_eval``) and the head's input (``tests/test_expert_strategies.py`` states the count).
 """
 
 from __future__ import annotations
