@@ -275,7 +275,10 @@ def test_sigint_during_demo_exits_130(tiny_model_path):
     rc, err = _sigint_after(proc, lambda e: "ds4-mlx demo: model" in e)
     assert rc == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
-    assert "interrupted" in err.strip().splitlines()[-1]
+    # The signal lands while the model loads (one line saying so) or, on a fast load, during the
+    # prefill or generation, which stop within a token and still print the stats line (as generate).
+    last = err.strip().splitlines()[-1]
+    assert "interrupted" in last or (last.startswith("ds4-mlx: prompt:") and "generation:" in last), err
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")

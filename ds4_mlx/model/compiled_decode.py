@@ -8,14 +8,14 @@ prefill chunk runs — then ``Block.ffn_pre``. Where the routed experts are chos
 cannot do) the step is cut at every router:
 
     compiled  mixer_fn[il](carry): finish the previous layer's FFN (``Block.ffn_post``), then the
-                  attention mixer's logits (``HyperConnection.mix``) -> H, mix
+                  attention mixer's logits (``Block.attention_mix``) -> H, mix
     eager     the attention mixer's combine matrix from mix, on the host (its Sinkhorn:
-                  ``HyperConnection.comb_on_host``)
+                  ``Block.attention_comb``, ``HyperConnection.comb_on_host``)
     compiled  layer_fn[il](H, mix, C, pos, rope tables, layer cache arrays)
                   ``Block.attention_part``, ``Block.ffn_pre`` (HC pre without the Sinkhorn,
                   ffn_norm, router scores, shared expert)
               -> (H, xn, post, FFN mixer logits, prob, shared[, choice]), new layer cache arrays
-    eager     expert ids (``MoE.select``), the FFN mixer's combine matrix (host), the routed
+    eager     expert ids (``MoE.select``), the FFN mixer's combine matrix (``Block.ffn_comb``), the routed
               experts' weights and products (``ExpertWeights``)
     compiled  head_fn(carry): finish the last FFN, output HC, norm, output matmul -> logits
               (or hidden_fn: the same without the matmul, for a pipeline's last rank, which shares
@@ -144,7 +144,7 @@ def _mixer_input(block, prev, counter: _Counter):
     def body(carry):
         counter.n += 1
         H = _finish_ffn(carry, prev)
-        return [H, block.hc_attn.mix(H)]
+        return [H, block.attention_mix(H)]
 
     return body
 
@@ -318,16 +318,16 @@ class CompiledDecoder:
                 lc.set_arrays(arrays)
                 del arrays
                 continue
-            # The mixers' Sinkhorn balancing runs on the host (``HyperConnection.comb_on_host``): a
+            # The mixers' Sinkhorn balancing runs on the host (``Block.attention_comb``/``ffn_comb``): a
             # chain of ~100 tiny graph nodes each, against reading 24 logits; the attention mixer's
             # is read here (its own wait), the FFN mixer's with the router's scores.
             H, mix = self._mixer_fns[il](carry)
-            comb = mx.array(block.hc_attn.comb_on_host(to_host(mix, np.float32)))
+            comb = mx.array(block.attention_comb(to_host(mix, np.float32)))
             out, arrays = fn(H, mix, comb, pos, tables, lc.arrays())
             lc.set_arrays(arrays)  # as above: before the router's scores are read
             H, xn, post, ffn_mix, prob, shared = out[:6]
             sel = ffn.select(out[6] if len(out) > 6 else None, tokens)
-            comb = mx.array(block.hc_ffn.comb_on_host(to_host(ffn_mix, np.float32)))
+            comb = mx.array(block.ffn_comb(to_host(ffn_mix, np.float32)))
             # The router's scores are read (on routed layers; hash layers wait for their mixer's
             # logits): what the choice did not need (the shared expert, the cache's lanes) runs
             # on MLX's stream while the host multiplies the routed experts, not after them.

@@ -52,6 +52,21 @@ class Block:
     # route on the device): ``ffn_pre`` is everything before the expert choice, ``ffn_post`` after the
     # routed experts; together with ``MoE.route_weights`` / ``routed_experts`` they are ``ffn_part``.
 
+    # The mixers' Sinkhorn on the host, for the compiled decode step (``HyperConnection.comb_on_host``):
+    # the attention mixer's logits, then each mixer's combine matrix from logits read to the host.
+
+    def attention_mix(self, H: mx.array) -> mx.array:
+        """H -> the attention mixer's logits (``attention_part``'s ``mix``)."""
+        return self.hc_attn.mix(H)
+
+    def attention_comb(self, mix: np.ndarray) -> np.ndarray:
+        """The attention mixer's combine matrix from its logits, computed on the host."""
+        return self.hc_attn.comb_on_host(mix)
+
+    def ffn_comb(self, mix: np.ndarray) -> np.ndarray:
+        """The FFN mixer's combine matrix from its logits (``ffn_pre(comb_on_host=True)``), on the host."""
+        return self.hc_ffn.comb_on_host(mix)
+
     def ffn_pre(self, H: mx.array, comb_on_host: bool = False) -> tuple[mx.array, ...]:
         """H -> (xn, post, comb, prob, shared expert output, selection scores or None); with
         ``comb_on_host`` the FFN mixer's logits in place of comb, whose Sinkhorn the caller computes
