@@ -22,7 +22,8 @@ Reported:
 * weight bytes per decoded token next to the active-parameter bytes: GGUF bytes of the dense
   matmul weights (all of them run for every token) and of the routed experts actually selected
   (``ExpertWeights.bytes_selected``; ``bytes_read``: bytes copied out of the mmap, i.e. expert-cache
-  misses), and the bytes the CPU backend's matmuls stream (float32: 4 bytes per parameter);
+  misses), and the bytes the CPU streams (MLX's dense matmuls: float32, 4 bytes per parameter; the
+  host-multiplied output head and the native expert products: the GGUF blocks);
 * VmHWM (peak RSS) and VmRSS (anonymous / file-backed) and MLX's active and peak bytes after load,
   warm-up, prefill and decode.
 
@@ -232,15 +233,24 @@ def run(path: Path, args) -> int:
     sel_f32 = sum(e.bytes_selected / e.expert_nbytes * e.shape[1] * e.shape[2] * 4 for e in experts) / n_dec
     active_exp = sum(cfg.n_expert_used * e.expert_nbytes for e in experts)
     active = d_bytes + emb_row + active_exp
+    # what the CPU actually streams: MLX's dense matmuls read float32; the output head multiplied on
+    # the host (``Model.host_head``) and the native expert products read the GGUF blocks in place
+    head = model.output if model.host_head else None
+    head_params = head.shape[0] * head.shape[1] if head is not None else 0
+    dense_stream = 4 * (d_params - head_params) + (head.nbytes if head is not None else 0)
+    native_experts = bool(experts) and model.expert_strategy == "host" and experts[0]._native_lib() is not None
+    exp_stream = sel if native_experts else sel_f32
     print("weight bytes per decoded token")
     print(f"  dense matmul weights (GGUF)        {d_bytes / MIB:10.1f} MiB   ({d_params / 1e6:.1f} M params; "
-          f"the CPU backend streams them as float32: {4 * d_params / MIB:.1f} MiB)")
+          f"streamed: {dense_stream / MIB:.1f} MiB, float32 except "
+          f"{'the output head, read as Q8_0 on the host' if head is not None else 'nothing'})")
     print(f"  routed experts selected (GGUF)     {sel / MIB:10.1f} MiB   (as float32: {sel_f32 / MIB:.1f} MiB; "
-          f"copied out of the mmap: {read / MIB:.1f} MiB, the rest hit the expert cache)")
+          + ("read in place by the native products)" if native_experts else
+             f"copied out of the mmap: {read / MIB:.1f} MiB, the rest hit the expert cache)"))
     print(f"  touched (GGUF) / active parameters {(d_bytes + emb_row + sel) / MIB:10.1f} / {active / MIB:.1f} MiB "
           f"= {(d_bytes + emb_row + sel) / active:.3f}")
-    print(f"  CPU float32 bytes streamed         {(4 * d_params + emb_row + sel_f32) / MIB:10.1f} MiB "
-          f"= {(4 * d_params + emb_row + sel_f32) / active:.2f}x the active GGUF bytes")
+    print(f"  CPU bytes streamed                 {(dense_stream + emb_row + exp_stream) / MIB:10.1f} MiB "
+          f"= {(dense_stream + emb_row + exp_stream) / active:.2f}x the active GGUF bytes")
     return 0
 
 
