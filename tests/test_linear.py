@@ -315,6 +315,29 @@ def test_cpu_transposed_operand_is_bit_identical(qtype):
         assert np.array_equal(np.array(w(x)), np.array(mx.matmul(x, w.dense().T)))
 
 
+@pytest.mark.parametrize("numerics", ["default", "ds4-cpu"])
+def test_grouped_product_is_each_groups_rows_alone(numerics):
+    """The attention's grouped low-rank output (``ops.grouped_linear``): one batched matmul on the CPU
+    backend in default numerics, group by group in ds4-cpu; either way each group's result is the
+    bits of its row slice multiplied alone (what the attention computed before, and ds4's order)."""
+    rng = np.random.default_rng(4)
+    G, rows, n_in = 8, 96, 512
+    raw = quants.quantize_q8_0(rng.standard_normal((G * rows, n_in)).astype(np.float32))
+    w = dense(GGMLType.Q8_0, raw, n_in, backend="cpu")
+    ops = ops_for(Numerics(numerics))
+    for L in (1, 3, 37):
+        x = mx.array(rng.standard_normal((L, G, n_in)).astype(np.float32))
+        got = np.array(ops.grouped_linear(w, x))
+        assert got.shape == (L, G * rows)
+        for g, part in enumerate(w.groups(G)):
+            alone = np.array(ops.linear(part, x[:, g]))
+            assert np.array_equal(got[:, g * rows:(g + 1) * rows].view(np.uint32), alone.view(np.uint32)), (L, g)
+    with pytest.raises(LayoutError, match="do not split into 7 groups"):
+        w.groups(7)
+    with pytest.raises(LayoutError, match="does not fit"):
+        w.grouped(mx.zeros((1, G, n_in - 32)))
+
+
 _BUILD_PEAK = r"""
 import sys
 import numpy as np

@@ -8,6 +8,7 @@ run in subprocesses: a SIGBUS cannot be survived.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -102,3 +103,30 @@ def test_prefills_while_the_file_is_truncated_end_in_one_line(tmp_path, small_mo
         raise AssertionError("the process did not end after its model file was truncated")
     assert proc.returncode in (2, -signal.SIGBUS), (proc.returncode, err)
     _assert_one_clear_line(err, p)
+
+
+@pytest.mark.parametrize("dump", [b"Fatal Python error: Bus error\n\nThread 0x1 (most recent call first):\n",
+                                  b"Fatal Python error: "])
+def test_the_watcher_names_a_shrunk_file_even_from_a_cut_dump(tmp_path, dump):
+    """Two native threads can fault on the truncated mapping at once: faulthandler hands the signal back
+    after the first, the second kills the process mid-dump (CI saw only "Fatal Python error: "). The
+    watcher decides by the file, which shrank: one line either way; an unrelated crash's dump (no
+    watched file changed) passes through."""
+    from ds4_mlx.formats import mapping_guard
+
+    p = tmp_path / "m.gguf"
+    p.write_bytes(b"\0" * 4096)
+
+    def watcher(records: bytes) -> str:
+        proc = subprocess.run([sys.executable, "-I", "-S", "-c", mapping_guard._WATCHER], input=records,
+                              capture_output=True, timeout=60)
+        return proc.stderr.decode()
+
+    register = mapping_guard._WATCH + json.dumps({"path": str(p), "size": 4096}).encode() + b"\n"
+    intact = watcher(register + dump)
+    assert intact.startswith(dump.decode()) or "bus error (SIGBUS)" in intact  # nothing shrank: the dump
+    os.truncate(p, 1000)
+    err = watcher(register + dump)
+    assert "Fatal Python error" not in err, err
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert len(lines) == 1 and str(p) in lines[0] and "shrank from 4096 to 1000 bytes" in lines[0], err

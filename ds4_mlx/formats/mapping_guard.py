@@ -11,9 +11,11 @@ layers:
 2. For the race that remains (the file shrinks while a layer is reading it), ``watch()`` points
    ``faulthandler`` (C-level, async-signal-safe: it only ``write()``s) at a pipe whose other end is
    read by a small watcher process. When the process dies, the watcher reads what faulthandler
-   wrote; if it was a bus error and a watched file is now shorter than when it was opened, it prints
-   one line naming the file instead of a Python stack dump. Any other fatal error's dump is passed
-   through unchanged (after a line naming the mapped files, for a bus error with no file shrunk).
+   wrote; if a watched file is now shorter than when it was opened (or gone), it prints one line
+   naming the file instead of a Python stack dump, also when the dump was cut short (two threads
+   faulting at once: the native products read the mapping on several). Any other fatal error's
+   dump is passed through unchanged (after a line naming the mapped files, for a bus error with no
+   file shrunk).
    The dying process still ends by SIGBUS (exit status 135 in a shell): nothing can be recovered.
    The line comes from the watcher, a few milliseconds after the death (a shell may show its
    prompt first); a parent reading our stderr to its end gets it, as the watcher holds stderr too.
@@ -59,7 +61,10 @@ while True:
         dump += buf
         buf = b""
 lines = []
-if dump and b"Bus error" in dump and files:
+if dump and files:
+    # A watched file that shrank or vanished names the cause even when the dump is cut short: two
+    # threads (the native products read the mapping on several) can fault at once, and the second
+    # SIGBUS, after faulthandler has handed the signal back, ends the process mid-dump.
     for path, size in files.items():
         try:
             now = os.stat(path).st_size
@@ -71,9 +76,11 @@ if dump and b"Bus error" in dump and files:
                 why = "shrank from %d to %d bytes" % (size, now)
             lines.append("ds4-mlx: fatal: model file %s %s while it was in use (truncated or rewritten "
                          "in place); the process was killed by SIGBUS reading it\n" % (ascii(path)[1:-1], why))
-    if not lines:
+    if not lines and b"Bus error" in dump:
         lines.append("ds4-mlx: fatal: bus error (SIGBUS) while these model files were mapped: %s; was one "
                      "of them changed on disk?\n" % ", ".join(ascii(p)[1:-1] for p in files))
+        lines.append(dump.decode("utf-8", "replace"))
+    elif not lines:
         lines.append(dump.decode("utf-8", "replace"))
 elif dump:
     lines.append(dump.decode("utf-8", "replace"))

@@ -429,7 +429,7 @@ class DenseWeight:
         out_dim = self.shape[0]
         if n < 1 or out_dim % n:
             raise LayoutError(f"tensor {self.name!r}: {out_dim} rows do not split into {n} groups")
-        if getattr(self, "_groups", None) is None or len(self._groups) != n:
+        if self._groups is None or len(self._groups) != n:
             step = out_dim // n
             self._groups = [self.rows(g * step, (g + 1) * step) for g in range(n)]
         return self._groups

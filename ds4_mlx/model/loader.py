@@ -15,6 +15,7 @@ import numpy as np
 from ds4_mlx import native
 from ds4_mlx.errors import LayoutError
 from ds4_mlx.formats.config import ModelConfig
+from ds4_mlx.formats.ggml_types import GGMLType
 from ds4_mlx.formats.gguf import GGUFFile
 from ds4_mlx.formats.layout import load_model_file
 from ds4_mlx.model.attention import Attention
@@ -24,7 +25,6 @@ from ds4_mlx.model.device_experts import DeviceExpertWeights, resolve_strategy
 from ds4_mlx.model.experts import EXPERT_CACHE, ExpertWeights, routed_resident_nbytes
 from ds4_mlx.model.hyper_connection import HyperConnection, OutputHC
 from ds4_mlx.model.indexer import Indexer
-from ds4_mlx.formats.ggml_types import GGMLType
 from ds4_mlx.model.linear import Backend, DenseWeight, resolve_backend
 from ds4_mlx.model.moe import MoE
 from ds4_mlx.model import distributed as dist, expert_parallel, pipeline

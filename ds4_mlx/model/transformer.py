@@ -73,9 +73,9 @@ class Block:
         on the host (``HyperConnection.comb_on_host``)."""
         ffn = self.ffn
         if comb_on_host:
-            comb = self.hc_ffn.mix(H)
-            pre, post = self.hc_ffn.gains(comb)
-            x = ffn.ops.weighted_streams(H, pre)
+            mix = self.hc_ffn.mix(H)
+            pre, post = self.hc_ffn.gains(mix)
+            x, comb = ffn.ops.weighted_streams(H, pre), mix
         else:
             x, post, comb = self.hc_ffn.pre(H)
         xn = ffn.ops.rms_norm(x, ffn.ffn_norm, ffn.eps)
@@ -137,7 +137,10 @@ class Model:
         With ``host_head`` x is read to the host here (an evaluation) and the logits come back as an
         evaluated array, so this is never called inside ``mx.compile`` then (``CompiledDecoder.run``)."""
         if self.host_head:
-            return mx.array(self.output.host_product(to_host(x, np.float32)))
+            x = to_host(x, np.float32)
+            if self.source is not None:
+                self.source.check_intact()  # the native code reads the mapping: a truncated file is an error
+            return mx.array(self.output.host_product(x))
         return self.ops.linear(self.output, x)
 
     def decoder(self, compile: bool = True):
