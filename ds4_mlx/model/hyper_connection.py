@@ -66,9 +66,14 @@ class HyperConnection:
         mix = self.mix(H) if mix is None else mix
         if comb is None:
             pre, post, comb = self.split(mix)
-        else:
-            pre, post = self.gains(mix)
-        return self.ops.weighted_streams(H, pre), post, comb
+            return self.ops.weighted_streams(H, pre), post, comb
+        return (*self.reduce(H, mix), comb)
+
+    def reduce(self, H: mx.array, mix: mx.array) -> tuple[mx.array, mx.array]:
+        """``pre`` without the combine matrix: (sub-layer input x [T, D], post [T, n]) from H and its
+        logits ``mix``."""
+        pre, post = self.gains(mix)
+        return self.ops.weighted_streams(H, pre), post
 
     def comb_on_host(self, mix: np.ndarray) -> np.ndarray:
         """``split``'s combine matrix computed on the host from the logits ``mix`` float32 [T, 2n+n²]

@@ -73,9 +73,8 @@ class Block:
         on the host (``HyperConnection.comb_on_host``)."""
         ffn = self.ffn
         if comb_on_host:
-            mix = self.hc_ffn.mix(H)
-            pre, post = self.hc_ffn.gains(mix)
-            x, comb = ffn.ops.weighted_streams(H, pre), mix
+            comb = self.hc_ffn.mix(H)  # the logits, in comb's place
+            x, post = self.hc_ffn.reduce(H, comb)
         else:
             x, post, comb = self.hc_ffn.pre(H)
         xn = ffn.ops.rms_norm(x, ffn.ffn_norm, ffn.eps)
