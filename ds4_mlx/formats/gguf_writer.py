@@ -6,7 +6,7 @@ metadata, the tensor directory (offsets already known, since sizes follow from t
 padding up to the data start. Tensor bytes are streamed afterwards, in declaration order, in chunks
 of any size, so a multi-gigabyte model never has to be in memory at once.
 
-The file is written under ``<path>.partial`` and renamed onto ``path`` only when ``close`` finds every
+The file is written under ``<path>.<pid>.<random>.partial`` (one per writer) and renamed onto ``path`` only when ``close`` finds every
 tensor complete, so an interrupted or failed write never leaves a truncated GGUF at ``path``.
 
 Misuse raises ``GGUFError``: a value that does not fit its declared type, a duplicate key or tensor
@@ -19,6 +19,7 @@ import hashlib
 import math
 import numbers
 import os
+import secrets
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -96,7 +97,9 @@ class GGUFWriter:
 
     def __init__(self, path: str | os.PathLike, *, compute_sha256: bool = False):
         self.path = str(path)
-        self._tmp_path = self.path + ".partial"
+        # Unique per writer (pid + random suffix, created with O_EXCL below): two processes writing the
+        # same target never share, truncate or unlink each other's partial file; the last rename wins.
+        self._tmp_path = f"{self.path}.{os.getpid()}.{secrets.token_hex(4)}.partial"
         self._meta: dict[str, tuple[ValueType, bytes]] = {}
         self._tensors: list[PlannedTensor] = []
         self._names: set[str] = set()
@@ -240,7 +243,7 @@ class GGUFWriter:
         self.data_offset = _align(len(header), self.alignment)
         Path(self._tmp_path).parent.mkdir(parents=True, exist_ok=True)
         try:
-            self._fh = open(self._tmp_path, "wb")
+            self._fh = open(self._tmp_path, "xb")
         except OSError as exc:
             raise GGUFError(f"cannot create {self._tmp_path}: {exc.strerror or exc}", path=self.path) from None
         self._state = _WRITING

