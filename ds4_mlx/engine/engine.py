@@ -22,8 +22,9 @@ from ds4_mlx.chat.template import (
     USER,
     ThinkMode,
     encode_chat_prompt,
-    render_messages,
+    message_pieces,
 )
+from ds4_mlx.chat.pieces import Piece, ctl, encode_pieces, join
 from ds4_mlx.errors import ChatError, InferenceError
 from ds4_mlx.tokenizer import Tokenizer
 
@@ -198,11 +199,10 @@ class Engine:
         rendered as ds4-server renders a chat request (``render_messages``).  ``system`` is used
         when the messages carry no system/developer message (None or "" for none): ds4-server adds
         no default system text, ds4's CLI does, and this follows the CLI so that a single user
-        message gives the same ids as the same string.  Two cases still differ, each form keeping
-        its ds4 counterpart's ids: one of ds4's special strings (``<｜User｜>``...) inside the text
-        is one marker token in the messages form (ds4-server tokenizes the rendered prompt) but
-        plain BPE in the string form (ds4's CLI encodes the user text alone); and with Think Max a
-        system text that starts with whitespace is BPE'd together with the Max prefix's final
+        message gives the same ids as the same string.  In both forms one of ds4's special strings
+        (``<｜User｜>``...) typed inside a message is plain text, never a control token (the ids
+        ``ds4-mlx serve`` and ``tokenize --messages`` give for the same messages).  One case still
+        differs: with Think Max a system text that starts with whitespace is BPE'd together with the Max prefix's final
         blank line in the messages form, separately in the string form.  ``think``: True/False/"none"/"high"/"max";
         Think Max applies only when ``ctx`` >= 393216 (ds4's rule).  ``tools``: OpenAI tool
         schemas (a string prompt then goes through the messages form).
@@ -224,13 +224,31 @@ class Engine:
         has_system = any(isinstance(m, Mapping) and m.get("role") in ("system", "developer") for m in msgs)
         if system and not has_system:
             msgs.insert(0, {"role": "system", "content": system})
-        text = render_messages(msgs, tools=tools, think=mode, ctx=ctx)
+        # Typed pieces, not the rendered string re-scanned: a special string typed in a message
+        # (``<｜User｜>``...) stays text, as ``serve`` and ``tokenize --messages`` encode it.
+        pieces = message_pieces(msgs, tools=tools, think=mode, ctx=ctx)
         if not add_generation_prompt:
+            text = join(pieces)
             for tail in (ASSISTANT + THINK_OPEN, ASSISTANT + THINK_CLOSE):
                 if text.endswith(tail):
-                    text = text[:-len(tail)]
+                    pieces = _drop_markup_tail(pieces, len(tail))
                     break
-        return self.tokenizer.encode_rendered(text) if tokenize else text
+        return encode_pieces(self.tokenizer, pieces) if tokenize else join(pieces)
+
+
+def _drop_markup_tail(pieces: list[Piece], n_chars: int) -> list[Piece]:
+    """``pieces`` less their last ``n_chars`` characters, which must be template markup (the
+    generation prompt)."""
+    out = list(pieces)
+    while n_chars > 0:
+        last = out.pop()
+        if not last.control:
+            raise ChatError("internal: the generation prompt is not template markup")
+        if len(last.text) > n_chars:
+            out.append(ctl(last.text[:-n_chars]))
+            break
+        n_chars -= len(last.text)
+    return out
 
 
 def end_model_thread() -> None:
