@@ -255,3 +255,14 @@ def test_ds4_cpu_numerics_any_resume_point_bit_identical(tiny_model_path, prompt
     b = Session(m, 512, chunk=64)
     b.sync(prompt[:150])
     assert same_bits(a.logits(), b.logits()) and same_state(a, b)
+
+
+def test_prefill_of_0_1_still_works_with_a_deprecation_warning(model, prompt):
+    """0.1's ``Session.prefill(tokens)`` went away without a word; it is back for one release as
+    ``append`` with a DeprecationWarning naming the replacement (CHANGELOG.md)."""
+    old, new = Session(model, 256, chunk=64), Session(model, 256, chunk=64)
+    with pytest.warns(DeprecationWarning, match=r"Session\.append"):
+        stats = old.prefill(prompt[:40])
+    new.append(prompt[:40])
+    assert stats.computed == 40 and old.tokens == new.tokens == prompt[:40]
+    assert same_bits(old.logits(), new.logits())

@@ -54,6 +54,7 @@ checkpoints only at chunk-aligned lengths; ``kvstore_policy`` keeps that rule.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -215,6 +216,14 @@ class Session:
     def eval(self, token: int) -> None:
         """One decode step: feed ``token`` at position ``pos``."""
         self.append([token])
+
+    def prefill(self, tokens: Sequence[int]) -> SyncStats:
+        """Deprecated since 0.2 (removed in 0.3): ``append(tokens)``, which it always was; ``sync``
+        brings the session to a whole prompt and reuses what it holds."""
+        warnings.warn("Session.prefill(tokens) is deprecated and will be removed in ds4-mlx 0.3: use "
+                      "Session.append(tokens) (extend the history) or Session.sync(prompt) (bring the "
+                      "session to a whole prompt, reusing its prefix)", DeprecationWarning, stacklevel=2)
+        return self.append(tokens)
 
     def rewind(self, pos: int, *, allow_rebuild: bool = True) -> SyncStats:
         """Go back to the exact state after the first ``pos`` live tokens (see the module docstring
