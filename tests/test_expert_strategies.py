@@ -110,19 +110,50 @@ def test_device_routing_selects_the_host_experts(engines):
         np.testing.assert_array_equal(np.array(w_d), np.array(w_h))
 
 
+def _prefill_and_decode(eng) -> list[np.ndarray]:
+    s = eng.new_session(ctx=128)
+    s.sync(list(range(1000, 1040)))
+    out = [s.logits()]
+    for t in (5, 77, 1234, 9):
+        s.eval(t)
+        out.append(s.logits())
+    return out
+
+
 def test_device_strategy_decodes_like_host(engines):
-    """Prefill, then compiled decode steps (the whole layer traced with device experts)."""
-    logits = {}
-    for name, eng in engines.items():
-        s = eng.new_session(ctx=128)
-        s.sync(list(range(1000, 1040)))
-        out = [s.logits()]
-        for t in (5, 77, 1234, 9):
-            s.eval(t)
-            out.append(s.logits())
-        logits[name] = out
-    for a, b in zip(logits["host"], logits["device"]):
-        assert float(np.abs(a - b).max()) <= 1e-3
+    """Prefill, then compiled decode steps (the whole layer traced with device experts), default
+    numerics. The two strategies are two float32 arithmetics of one model: the host multiplies the
+    routed experts and the head in the native C code (its own summation order), the device strategy
+    with MLX ops (and OpenBLAS's order in a prefill's grouped matmuls). No bound on their difference
+    follows from the arithmetic alone: a last-bit difference in one layer moves a KV row across an FP8
+    rounding step and grows from there (measured on the tiny model: 0.006 to 0.009 max |delta| with one
+    OpenBLAS thread, under 1e-3 with two; the same prompt gives 0 with the native products off, see
+    the next test). What is asserted is the oracle's default band: each strategy's distance to the
+    other is no larger than default numerics' distance to ds4's own reference (rms 0.06 on short
+    prompts, ``test_oracle_logits``), and the greedy token agrees wherever the host's top-1 leads its
+    top-2 by more than 4x that rms (the oracle tests' rule for a strict argmax)."""
+    host, device = _prefill_and_decode(engines["host"]), _prefill_and_decode(engines["device"])
+    for k, (a, b) in enumerate(zip(host, device)):
+        rms = float(np.sqrt(np.mean((a.astype(np.float64) - b) ** 2)))
+        assert rms <= 0.06, (k, rms)
+        top2 = np.sort(a)[-2:]
+        if top2[1] - top2[0] > 4 * 0.06:
+            assert int(np.argmax(a)) == int(np.argmax(b)), k
+
+
+def test_strategies_share_the_prefill_arithmetic_with_native_off(tiny_model_path, monkeypatch):
+    """With the native products off both strategies group a prefill's pairs by expert through the
+    same ``ExpertWeights`` code on the same dequantized weights, and the head is MLX's in both: the
+    prefill's logits are then equal bit for bit, by construction (one code path, one machine). Decode
+    steps then differ by the device matvec's row sums vs the host's grouped matmul: within the band."""
+    from ds4_mlx import native
+
+    monkeypatch.setattr(native, "library", lambda: None)  # as DS4_MLX_NATIVE=off
+    off = {e: ds4_mlx.load(tiny_model_path, experts=e) for e in ("host", "device")}
+    host, device = _prefill_and_decode(off["host"]), _prefill_and_decode(off["device"])
+    assert host[0].tobytes() == device[0].tobytes()
+    for a, b in zip(host[1:], device[1:]):
+        assert float(np.sqrt(np.mean((a.astype(np.float64) - b) ** 2))) <= 0.06
 
 
 def test_device_expert_call_range_checks_host_ids(engines):

@@ -25,6 +25,7 @@ from ds4_mlx.model.experts import ExpertCache
 from ds4_mlx.model.experts import ExpertWeights
 from ds4_mlx.model.linear import Backend, DenseWeight, default_backend, q8_0_to_affine, resolve_backend
 from ds4_mlx.model.ops import Numerics, ops_for
+from fp_bounds import assert_within_matmul_bound
 
 F32 = np.float32
 
@@ -301,9 +302,11 @@ def test_default_matches_float64_matmul(qtype):
 
 
 @pytest.mark.parametrize("qtype", [GGMLType.Q8_0, GGMLType.F16, GGMLType.F32])
-def test_cpu_transposed_operand_is_bit_identical(qtype):
+def test_cpu_transposed_operand_gives_the_same_product(qtype):
     # The CPU fast path multiplies the transposed copy (sgemm NN, faster for one token) instead of
-    # the row-major weight (sgemm NT): same packed panels, so the same bits for every chunk length.
+    # the row-major weight (sgemm NT). The operand is the same numbers (asserted bit for bit); the
+    # products are the same sums in an order OpenBLAS picks per form, kernel family and thread split
+    # (equal bits on Haswell kernels, not on every machine's), so they are held to the float32 bound.
     rng = np.random.default_rng(11 + int(qtype))
     out_dim, n_in = 1000, 96
     wf = rng.standard_normal((out_dim, n_in)).astype(np.float32)
@@ -312,7 +315,7 @@ def test_cpu_transposed_operand_is_bit_identical(qtype):
     assert np.array_equal(np.array(w.dense_t()), np.array(w.dense()).T)
     for T in (1, 3, 64, 130):
         x = mx.array(rng.standard_normal((T, n_in)).astype(np.float32))
-        assert np.array_equal(np.array(w(x)), np.array(mx.matmul(x, w.dense().T)))
+        assert_within_matmul_bound(np.array(w(x)), np.array(mx.matmul(x, w.dense().T)), x, w.dense(), f"T={T}")
 
 
 @pytest.mark.parametrize("numerics", ["default", "ds4-cpu"])
@@ -413,10 +416,7 @@ def test_rows_share_caches_and_match_parent():
             # float32 sum of n products are within 2*gamma(n-1)*sum|x*w| of each other
             # (gamma(k) = k*u/(1-k*u), u = 2^-24; Higham, Accuracy and Stability, §3.1) — a rounding
             # bound, ~1e-5 here; rows taken from the wrong place would be O(1) off.
-            u = 2.0 ** -24
-            gamma = 63 * u / (1 - 63 * u)
-            scale = np.abs(np.array(x, np.float64)) @ np.abs(np.array(w.dense(), np.float64)[20:26]).T
-            assert np.all(np.abs(got.astype(np.float64) - full[:, 20:26]) <= 2 * gamma * scale)
+            assert_within_matmul_bound(got, full[:, 20:26], x, np.array(w.dense())[20:26], "rows 20..25")
     assert part._dense is None and part._ds4 is None and w._dense is not None and w._ds4 is not None
     with pytest.raises(LayoutError, match="row range"):
         w.rows(10, 65)

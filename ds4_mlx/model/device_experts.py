@@ -161,6 +161,12 @@ class DeviceExpertWeights(ExpertWeights):
 
 def expert_matvec_twin_ids(blocks: mx.array, qtype, x_rows: mx.array, slot: mx.array) -> mx.array:
     """MLX-ops twin of the matvec kernel with device ids: y[p] = dequant(blocks[slot[p]]) @ x_rows[p]
-    -> float32 [P, out]. Dequantizes the P gathered blocks (one per pair: meant for a few pairs)."""
+    -> float32 [P, out]. Dequantizes the P gathered blocks (one per pair: meant for a few pairs).
+
+    The dot products are an elementwise product and a row sum, not a batched matmul: a row sum's
+    order depends on the row's length only, so each pair's bits are the same whatever the other
+    pairs of the call are (expert parallelism replaces foreign pairs and relies on that). A BLAS
+    gemv chooses its own order per kernel family and thread split (it held on one machine's
+    OpenBLAS and not on another's)."""
     w = dequantize_rows_mlx(mx.take(blocks, slot, axis=0), qtype)  # [P, out, in]
-    return mx.matmul(w, x_rows[:, :, None])[:, :, 0]
+    return mx.sum(w * x_rows[:, None, :], axis=-1)

@@ -39,6 +39,8 @@ real dims a decode step sends 6 x 4096 x 4 = 96 KiB per layer (4 MiB per token o
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import numpy as np
 
@@ -46,7 +48,7 @@ from ds4_mlx.errors import DistributedError, LayoutError, NonFiniteError
 from ds4_mlx.model.cache import ModelCache
 from ds4_mlx.model.device_experts import DEVICE_MAX_PAIRS
 from ds4_mlx.model.distributed import CHUNK, STEP, Command, DistributedModel
-from ds4_mlx.model.experts import check_expert_call
+from ds4_mlx.model.experts import ExpertWeights, check_expert_call
 from ds4_mlx.model.transformer import Model
 
 
@@ -114,7 +116,10 @@ class OwnedExperts:
     def __call__(self, x: mx.array, ids) -> mx.array:
         if isinstance(ids, mx.array) and self.routes_on_device and ids.ndim == 2 and ids.size <= DEVICE_MAX_PAIRS:
             return self._masked(x, ids)
-        return self._owned_pairs(x, ids, self.inner)
+        # A call one process would group by expert (host ids, or more pairs than a device step):
+        # the owned pairs go through that same grouping, never through the device strategy's
+        # per-pair matvec, which a handful of owned pairs would otherwise pick (another arithmetic).
+        return self._owned_pairs(x, ids, functools.partial(ExpertWeights.__call__, self.inner))
 
     def ds4_cpu(self, x: mx.array, ids) -> mx.array:
         return self._owned_pairs(x, ids, self.inner.ds4_cpu)

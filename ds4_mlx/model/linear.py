@@ -346,8 +346,10 @@ class DenseWeight:
         With W row-major, ``x @ W.T`` makes MLX call ``cblas_sgemm(NoTrans, Trans)``; OpenBLAS (0.3.21,
         which has no GEMM-to-GEMV forwarding) runs that up to twice as slow for one token as
         ``sgemm(NoTrans, NoTrans)`` on the transposed copy (the 129280x512 output head: 93 vs 50 ms on a
-        loaded 2-core box, the latter on par with ``cblas_sgemv``), and never faster for a chunk. Both
-        pack the operand into the same panels, so the products are bit-identical (``test_linear``).
+        loaded 2-core box, the latter on par with ``cblas_sgemv``), and never faster for a chunk. The
+        two forms are the same sums in an order OpenBLAS picks per form, kernel family and thread
+        split: bit-identical with its Haswell kernels, not on every machine, so nothing relies on it
+        (``test_linear`` holds them to the float32 summation bound).
         Built a slab of rows at a time straight into the MLX buffer (``_mlx_buffer``).
         Row slices do not use it: a column slice of the transposed root is not contiguous, and MLX
         would copy it on every call; they multiply the shared ``dense()`` as before.
