@@ -11,6 +11,13 @@ from pathlib import Path
 
 import pytest
 
+# Under pytest-xdist (one worker per core, pyproject's addopts) each worker's OpenBLAS gets one thread
+# unless the caller chose a count: two workers of two threads on two cores oversubscribe, and
+# OpenBLAS's spinning threads then slow every product. Set before ds4_mlx loads OpenBLAS (below).
+# tests/test_blas_threads.py runs the order-sensitive tests with 2 and 4 threads.
+if os.environ.get("PYTEST_XDIST_WORKER") and "OPENBLAS_NUM_THREADS" not in os.environ:
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
+
 # Tests drive the benchmark scripts' measuring functions and helpers (bench_model, host_traffic, bench_util).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 

@@ -225,21 +225,32 @@ print(json.dumps({"rank": 0, "out": out, "kept": sorted(getattr(m, "_kept", []))
 """
 
 
+@pytest.fixture(scope="module")
+def payload_one_process(tiny_model_path, tmp_path_factory):
+    """The payload script in one process, once for both modes: (script, its saved file, its record)."""
+    from tests.test_distributed import _run
+
+    d = tmp_path_factory.mktemp("payload_one")
+    script = d / "payload.py"
+    script.write_text(_PAYLOAD_SCRIPT)
+    one_file = d / "one.ds4s"
+    one = _run([sys.executable, str(script), str(tiny_model_path), "", str(one_file), str(one_file)], timeout=600)
+    assert one.returncode == 0, one.stderr
+    return script, one_file, json.loads(one.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["pipeline", "experts"])
-def test_payloads_are_one_process_files_and_load_on_every_rank(tiny_model_path, tmp_path, mode):
+def test_payloads_are_one_process_files_and_load_on_every_rank(tiny_model_path, tmp_path, mode,
+                                                               payload_one_process):
     """A payload saved on two ranks is byte for byte the file one process saves (pipeline: each
     rank's layers gathered to rank 0; experts: rank 0's own cache, already whole), and a file one
     process saved loads on two ranks (each keeps its layers: all of them in experts mode) and
     continues with bit-identical logits."""
     from tests.test_distributed import LAUNCH, _run
 
-    script = tmp_path / "payload.py"
-    script.write_text(_PAYLOAD_SCRIPT)
-    one_file, two_file = tmp_path / "one.ds4s", tmp_path / "two.ds4s"
-    one = _run([sys.executable, str(script), str(tiny_model_path), "", str(one_file), str(one_file)], timeout=600)
-    assert one.returncode == 0, one.stderr
-    ref = json.loads(one.stdout.strip().splitlines()[-1])
+    script, one_file, ref = payload_one_process
+    two_file = tmp_path / "two.ds4s"
     r = _run(LAUNCH + ["-n", "2", "--backend", "ring", "--", sys.executable, str(script), str(tiny_model_path),
                        mode, str(two_file), str(one_file)], timeout=600)
     got = {d["rank"]: d for d in (json.loads(line) for line in r.stdout.splitlines() if line.startswith("{"))}

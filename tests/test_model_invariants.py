@@ -72,11 +72,23 @@ def _assert_close_default(got: np.ndarray, ref: np.ndarray, what: str) -> None:
         assert got.argmax() in top, what
 
 
-@pytest.mark.parametrize("chunk", [7, 64, pytest.param(1, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("chunk", [7, 64])
 def test_chunked_prefill_default(model_default, tokens, ref_default, chunk):
     s = model_default.new_session(ctx=4096, chunk=chunk)
     s.prefill(tokens)
     _assert_close_default(s.logits(), ref_default, f"chunk {chunk}")
+
+
+@pytest.mark.slow
+def test_one_token_chunks_prefill_default(model_default, tokens):
+    """Chunks of one token (each a forward pass of its own) over the first N_DS4 tokens, which pass
+    every lane's boundaries (window 32, the indexer from 67, a ratio-128 row at 127), against one
+    default-chunk prefill of the same tokens. (The whole 733-token prompt took 97 s of suite time.)"""
+    ref = model_default.new_session(ctx=4096)
+    ref.prefill(tokens[:N_DS4])
+    s = model_default.new_session(ctx=4096, chunk=1)
+    s.prefill(tokens[:N_DS4])
+    _assert_close_default(s.logits(), ref.logits(), "chunk 1")
 
 
 def test_prefill_then_decode_default(model_default, tokens, ref_default):
