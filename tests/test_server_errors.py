@@ -76,6 +76,29 @@ def test_bad_json_unknown_path_and_method(live):
         assert_openai_error(http(live.url, "POST", "/v1/chat/completions", json.dumps(body), AUTH), 400)
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/v1/completions", "/v1/responses"])
+def test_lone_surrogates_and_overflowing_numbers_are_400_naming_the_field(live, path):
+    """Issue #26 item 2: a lone UTF-16 surrogate in ``model`` and an integer ``temperature`` past
+    float's range were HTTP 500 (a surrogate string also streamed a 200 with a broken body)."""
+    base = {"messages": [{"role": "user", "content": "hi"}], "prompt": "hi", "input": "hi", "max_tokens": 4}
+    cases = [
+        ('"model": "m\\ud800"', "model"),
+        ('"messages": [{"role": "user", "content": "a\\udfffb"}]', "messages[0].content"),
+        ('"stream": true, "model": "\\udc00"', "model"),
+        ('"temperature": 1' + "0" * 400, "temperature"),
+        ('"top_p": -1' + "0" * 400, "top_p"),
+    ]
+    for extra, field in cases:
+        body = json.dumps(base)[:-1] + ", " + extra + "}"
+        status, _, text = http(live.url, "POST", path, body, AUTH)
+        assert status == 400, (path, extra, status, text[:300])
+        doc = json.loads(text)
+        err = doc["error"]
+        assert field in err["message"], (path, err)
+        assert "Traceback" not in err["message"] and len(err["message"]) < 300
+    assert http(live.url, "GET", "/health")[0] == 200
+
+
 def test_deep_nesting_and_message_count(live):
     deep = '{"messages": [{"role": "user", "content": "x"}], "x": ' + "[" * 100000 + "]" * 100000 + "}"
     status, _, body = http(live.url, "POST", "/v1/chat/completions", deep, AUTH)

@@ -57,16 +57,51 @@ class ServerConfig:
     max_output: int = 393216   # ds4 -n default, reported as max_completion_tokens
 
 
-def _json_depth_ok(value, limit: int) -> bool:
-    stack = [(value, 1)]
+def _json_problem(value, limit: int) -> str | None:
+    """Why a decoded body cannot be used, or None: nesting deeper than ``limit``, or a string (key
+    or value) holding a lone UTF-16 surrogate (JSON's ``\\ud800`` escapes decode to one; it cannot
+    be encoded as UTF-8, so it would fail in the tokenizer or in the echoed reply). One walk; the
+    path of the first offender is named."""
+    stack = [(value, 1, None)]
     while stack:
-        v, d = stack.pop()
+        v, d, path = stack.pop()
         if isinstance(v, (dict, list)):
             if d > limit:
-                return False
-            items = v.values() if isinstance(v, dict) else v
-            stack.extend((x, d + 1) for x in items if isinstance(x, (dict, list)))
+                return f"nesting deeper than {limit}"
+            items = v.items() if isinstance(v, dict) else enumerate(v)
+            for k, x in items:
+                if isinstance(k, str) and not _utf8_ok(k):
+                    return f"a key in {_path_text(path)} is not valid Unicode (a lone surrogate)"
+                if isinstance(x, (dict, list, str)):
+                    stack.append((x, d + 1, (k, path)))
+        elif not _utf8_ok(v):
+            return f"{_path_text(path)} is not valid Unicode (a lone surrogate)"
+    return None
+
+
+def _utf8_ok(s: str) -> bool:
+    if s.isascii():
+        return True
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
     return True
+
+
+def _path_text(path) -> str:
+    """``messages[1].content`` for the linked path (("content", (1, ("messages", None))))."""
+    keys = []
+    while path is not None:
+        k, path = path
+        keys.append(k)
+    text = ""
+    for k in reversed(keys):
+        if isinstance(k, int):
+            text += f"[{k}]"
+        else:
+            text += ("." if text else "") + (k if _utf8_ok(k) else "?")
+    return text or "the body"
 
 
 class Server:
@@ -103,8 +138,9 @@ class Server:
             raise ApiError(400, "invalid JSON request: nesting too deep") from None
         except ValueError:
             raise ApiError(400, "invalid JSON request") from None
-        if not _json_depth_ok(body, self.config.max_json_depth):
-            raise ApiError(400, f"invalid JSON request: nesting deeper than {self.config.max_json_depth}")
+        problem = _json_problem(body, self.config.max_json_depth)
+        if problem is not None:
+            raise ApiError(400, f"invalid JSON request: {problem}")
         return body
 
     def model_object(self) -> dict:

@@ -51,10 +51,13 @@ def _number(body: Mapping, key: str, default: float, lo: float, hi: float) -> fl
     v = body.get(key)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise bad(f"{key} must be a number", key)
-    if not lo <= v <= hi:
-        raise bad(f"{key} must be between {lo:g} and {hi:g}, got {v}", key)
+    # an integer past float's range (JSON allows 1e400 written out) compares fine but overflows
+    # in math.isfinite / float(): the range check names it instead of a 500
+    if not (isinstance(v, int) or math.isfinite(v)) or not lo <= v <= hi:
+        shown = v if not isinstance(v, int) or abs(v) < 10 ** 15 else f"an integer of {len(str(abs(v)))} digits"
+        raise bad(f"{key} must be between {lo:g} and {hi:g}, got {shown}", key)
     return float(v)
 
 
