@@ -254,10 +254,26 @@ def _worker_cmd(args, out_dir: Path, mode: str) -> list[str]:
             "--seed", str(args.seed)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(n: int) -> int:
+    """The first of ``n`` consecutive loopback ports free right now (mlx.launch gives rank i the
+    port start + i: one free port is not enough, the next may be some other process's)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            first = s.getsockname()[1]
+        if first + n > 65535:
+            continue
+        socks = []
+        try:
+            for p in range(first, first + n):
+                socks.append(socket.socket())
+                socks[-1].bind(("127.0.0.1", p))
+            return first
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
 
 
 def _run_all(cmd: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -304,7 +320,7 @@ def measure(model: Path, mode: str = "pipeline", ranks: int = 2, prompt_tokens: 
         one = _read(out / "one.json", "the one-process run")
         # mlx.launch picks the ports (from --starting-port): a free one, so that two runs at once
         # on one machine do not collide
-        cmd = LAUNCH + ["-n", str(ranks), "--backend", "ring", "--starting-port", str(_free_port()), "--"] \
+        cmd = LAUNCH + ["-n", str(ranks), "--backend", "ring", "--starting-port", str(_free_ports(ranks)), "--"] \
             + _worker_cmd(args, out, mode)
         r = _run_all(cmd, timeout)
         log = " | ".join((r.stdout + r.stderr).strip().splitlines()[-5:])
