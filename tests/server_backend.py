@@ -9,6 +9,7 @@ repeat reports cached tokens like the engine will."""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -49,6 +50,9 @@ SCRIPTS = {
     "reject": [BackendError(400, "prompt has 99999 tokens, context is 32768",
                             code="context_length_exceeded", extra={"n_prompt_tokens": 99999, "n_ctx": 32768})],
     "long": [Content("tick ")] * 400 + [Done("length", 400)],
+    # a capped answer that never left its reasoning (what a random model gives an agent)
+    "reasoning_only": [Reasoning("still "), Reasoning("thinking"), Done("length", 6, reasoning_tokens=6)],
+    "mixed": [Reasoning("why"), Content("Hi"), Done("stop", 5, reasoning_tokens=3)],
 }
 
 
@@ -70,6 +74,9 @@ class ScriptedBackend(Backend):
         self.requests = []
         self.cancelled = []
         self._last_prompt = ""
+
+    def count_tokens(self, req) -> int:
+        return len(render_request(req.messages, req.tools, req.tool_choice, req.think, self.ctx))
 
     def _sleep(self, seconds: float, cancel: threading.Event) -> bool:
         return cancel.wait(seconds) if seconds > 0 else cancel.is_set()
@@ -163,3 +170,63 @@ def http(url: str, method: str, path: str, body: bytes | str | None = None, head
 
 def sse_frames(raw: bytes) -> list[str]:
     return [f for f in raw.decode().split("\n\n") if f]
+
+
+class TokenizingBackend(Backend):
+    """The server's real prompt path without the model: each request is rendered and tokenized
+    with the model's tokenizer exactly as ``EngineBackend`` does (``encode_request``), the prompt
+    size is reported, and a one-token answer follows.  Replays of long recorded client requests
+    then check the ids without paying their prefill."""
+
+    def __init__(self, tokenizer, *, ctx: int = 65536):
+        super().__init__(self._generate, ctx=ctx)
+        self.tokenizer = tokenizer
+        self.prompts: list[list[int]] = []
+
+    def count_tokens(self, req) -> int:
+        from ds4_mlx.chat.request import encode_request
+
+        return len(encode_request(self.tokenizer, req.messages, req.tools, req.tool_choice, req.think, self.ctx))
+
+    def _generate(self, req, cancel):
+        from ds4_mlx.chat.request import encode_request
+
+        ids = encode_request(self.tokenizer, req.messages, req.tools, req.tool_choice, req.think, self.ctx)
+        self.prompts.append(ids)
+        yield Started(len(ids), 0, "none")
+        yield Content("ok")
+        yield Done("stop", 1)
+
+
+def check_stream(api: str, raw: bytes, complete: bool = True) -> dict | None:
+    """The frames parse and the stream ends the way its API ends one (``complete``: with a
+    finished answer, not one cut at max tokens); returns the prompt size its usage reports."""
+    events = []
+    for f in sse_frames(raw):
+        if f.startswith(":"):
+            continue
+        lines = f.split("\n")
+        data = [ln[6:] for ln in lines if ln.startswith("data: ")]
+        assert len(data) == 1, f
+        if data[0] == "[DONE]":
+            events.append("[DONE]")
+            continue
+        obj = json.loads(data[0])
+        kind = [ln[7:] for ln in lines if ln.startswith("event: ")]
+        if kind:
+            assert kind == [obj["type"]], f
+        events.append(obj)
+    if api == "messages":
+        assert events[0]["type"] == "message_start" and events[-1]["type"] == "message_stop"
+        start, delta = events[0]["message"]["usage"], [e for e in events if e["type"] == "message_delta"][-1]
+        assert delta["delta"]["stop_reason"] in (("end_turn",) if complete else ("end_turn", "max_tokens"))
+        return {"prompt": start["input_tokens"] + start["cache_read_input_tokens"] + start["cache_creation_input_tokens"]}
+    if api == "responses":
+        assert events[-1]["type"] in (("response.completed",) if complete else
+                                      ("response.completed", "response.incomplete"))
+        return {"prompt": events[-1]["response"]["usage"]["input_tokens"]}
+    assert events[-1] == "[DONE]"
+    usage = [e for e in events[:-1] if e.get("usage")]
+    finishes = [c["finish_reason"] for e in events[:-1] for c in e.get("choices") or () if c.get("finish_reason")]
+    assert len(finishes) == 1, finishes
+    return {"prompt": usage[-1]["usage"]["prompt_tokens"]} if usage else None

@@ -85,6 +85,7 @@ def test_generate_rejects_bad_numbers_while_parsing(capsys, flag, value, expect)
      "--ctx must be in [2, 1048576], got 0"),
     (["tokenize", "-m", "m.gguf", "--text", "a", "--ctx", "2097152"], "tokenize", "--ctx must be in [2, 1048576]"),
     (["serve", "-m", "m.gguf", "--kv-disk-space-mb", "-5"], "serve", "--kv-disk-space-mb must be >= 0, got -5"),
+    (["serve", "-m", "m.gguf", "--max-tokens", "0"], "serve", "--max-tokens must be >= 1, got 0"),
 ])
 def test_other_commands_reject_bad_numbers(capsys, argv, command, expect):
     assert expect in _usage_error(capsys, argv, command)

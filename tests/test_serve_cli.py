@@ -1,6 +1,7 @@
 """`ds4-mlx serve` as a user runs it: the real command in its own process on loopback, with an API key,
-answering the openai SDK, reusing the KV of a repeated request, refusing a wrong key, and leaving
-cleanly on SIGTERM with the live session saved to the disk cache (ds4's "shutdown" save)."""
+answering the openai SDK, reusing the KV of a repeated request, refusing a wrong key, logging one line
+per request, and leaving cleanly on SIGTERM with the live session saved to the disk cache (ds4's
+"shutdown" save) and said so in the log."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def test_serve_command_end_to_end(tiny_model_path, tmp_path):
     kv = tmp_path / "kv"
     cmd = [sys.executable, "-m", "ds4_mlx.frontends.cli", "serve", "-m", str(tiny_model_path),
            "--port", str(port), "--api-key", KEY, "--ctx", "4096", "--kv-disk-dir", str(kv),
-           "--log-level", "warning"]
+           "--log-level", "info"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -72,6 +73,13 @@ def test_serve_command_end_to_end(tiny_model_path, tmp_path):
     # process ends the way an unhandled SIGTERM ends (what service managers expect)
     assert proc.returncode in (0, -signal.SIGTERM), err[-3000:]
     assert "Traceback" not in err, err[-3000:]
+    # the server's own lines beside uvicorn's: one per request (the 401 with its reason), and the
+    # shutdown save
+    requests = [ln for ln in err.splitlines() if " ds4-mlx: request " in ln]
+    assert len([ln for ln in requests if "endpoint=/v1/chat/completions status=200" in ln]) == 2, err[-3000:]
+    assert any("status=401" in ln and 'reason="invalid or missing API key"' in ln for ln in requests), requests
+    assert any("prompt=" in ln and "cached=" in ln and "decode=" in ln for ln in requests), requests
+    assert any("kv cache stored" in ln and "(shutdown)" in ln for ln in err.splitlines()), err[-3000:]
     from ds4_mlx.engine.kvstore_admin import list_entries
 
     reasons = {f.entry.reason.name.lower() for f in list_entries(kv).files if f.entry is not None}

@@ -278,6 +278,78 @@ def test_disconnect_mid_stream_keeps_server_healthy_and_prefix_reusable(live, oa
     assert cached(r.usage) == r.usage.prompt_tokens  # the prompt computed before the hang-up
 
 
+# -- what agent clients need (issue #21) -----------------------------------------------------------
+
+def test_reasoning_tokens_are_the_tokens_before_the_reasoning_closed(oai):
+    think = oai.chat.completions.create(model="deepseek-v4-flash", messages=user("Reason about tides"),
+                                        max_tokens=6, temperature=0)
+    u, msg = think.usage, think.choices[0].message
+    n = u.completion_tokens_details.reasoning_tokens
+    if msg.content or msg.tool_calls:
+        assert 0 < n < u.completion_tokens
+    else:  # the random model never closed its reasoning in 6 tokens: all of them were reasoning
+        assert n == u.completion_tokens == 6
+    plain = oai.chat.completions.create(model="deepseek-chat", messages=user("Reason about tides"),
+                                        max_tokens=3, temperature=0)
+    assert plain.usage.completion_tokens_details.reasoning_tokens == 0
+    resp = oai.responses.create(model="deepseek-v4-flash", input="Reason about tides", max_output_tokens=4,
+                                temperature=0)
+    assert resp.usage.output_tokens_details.reasoning_tokens == resp.usage.output_tokens == 4
+
+
+def test_count_tokens_is_the_prompt_the_messages_endpoint_prefills(live):
+    body = {"model": "deepseek-v4-flash", "max_tokens": 1, "temperature": 0,
+            "system": "You are terse.", "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "Weather?"}, {"type": "text", "text": "Now."}]},
+                {"role": "system", "content": "# Environment\nlinux"}]}
+    status, _, raw = http(live.url, "POST", "/v1/messages/count_tokens", json.dumps(body),
+                          {"x-api-key": "sekret"}, timeout=120)
+    assert status == 200, raw
+    n = json.loads(raw)["input_tokens"]
+    status, _, raw = http(live.url, "POST", "/v1/messages", json.dumps(body), {"x-api-key": "sekret"}, timeout=120)
+    u = json.loads(raw)["usage"]
+    assert n == u["input_tokens"] + u["cache_read_input_tokens"] + u["cache_creation_input_tokens"] > 10
+
+
+def test_text_appended_to_the_last_user_turn_reuses_everything_before_the_assistant_prefix(ant):
+    """Claude Code after a capped answer: it drops the answer and appends a reminder block to the
+    same user message.  The state before that turn's last token is kept, so all of the first
+    prompt the second one shares is reused."""
+    first = [{"type": "text", "text": "<system-reminder>\nBe careful.\n</system-reminder>"},
+             {"type": "text", "text": "Tell me about the harbour."}]
+    kw = dict(model="deepseek-v4-flash", max_tokens=3, extra_body={"temperature": 0})
+    m1 = ant.messages.create(messages=[{"role": "user", "content": first}], **kw)
+    p1 = m1.usage.input_tokens + m1.usage.cache_read_input_tokens + m1.usage.cache_creation_input_tokens
+    again = first + [{"type": "text", "text": "<system-reminder>\nOutput token limit hit. Resume.\n</system-reminder>"}]
+    m2 = ant.messages.create(messages=[{"role": "user", "content": again}], **kw)
+    # "harbour." then "\n\n<system-reminder>": "." and the newlines become one pretoken, so the
+    # first prompt's tokens resent unchanged are all but its last text token and the assistant prefix
+    assert m2.usage.cache_read_input_tokens == p1 - 3
+
+
+def test_pis_recorded_requests_run_through_the_engine(live, tiny_model_path, tmp_path, capsys):
+    """The real Pi 0.73.1 transcript (tests/data/agent_requests, test_agent_requests.py) on the real
+    engine: its tool turn, the tool result's continuation and turn 2, each a whole stream whose
+    prompt is the ids ``tokenize --messages`` gives; the continuations reuse the live KV."""
+    from pathlib import Path
+
+    from server_backend import check_stream
+
+    recs = json.loads((Path(__file__).parent / "data" / "agent_requests" / "pi.json").read_text())
+    for i, rec in enumerate(recs):
+        body = dict(rec["body"], max_tokens=2)  # the recorded cap would decode 128 random tokens
+        status, _, raw = http(live.url, "POST", rec["path"], json.dumps(body),
+                              {**rec["headers"], "Authorization": "Bearer sekret"}, timeout=300)
+        assert status == 200, raw[:300]
+        path = tmp_path / f"{i}.json"
+        path.write_text(json.dumps(body))
+        assert main(["tokenize", "-m", str(tiny_model_path), "--messages", str(path), "--ctx", str(CTX),
+                     "--json"]) == 0
+        ids = json.loads(capsys.readouterr().out)["ids"]
+        got = check_stream("chat", raw, complete=False)
+        assert got is not None and got["prompt"] == len(ids), i
+
+
 @pytest.mark.slow
 def test_two_sessions_interleaved_both_hit(oai):
     a1, b1 = user("Conversation alpha about rivers"), user("Beta: list some mountains now")

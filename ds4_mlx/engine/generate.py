@@ -84,6 +84,7 @@ class GenerationStats:
     cached_tokens: int = 0          # prompt tokens whose state was reused (session or disk), not computed
     cache_source: str = "none"      # where they came from: none | session | live | disk-tokens | disk-text
     generation_tokens: int = 0
+    reasoning_tokens: int = 0       # generated while the reasoning section was open (its ``</think>`` included)
     load_time_s: float = 0.0        # the model's open time (``Engine.load_time``)
     prefill_s: float = 0.0
     ttft_s: float | None = None     # call start to first generated token (None: no token)
@@ -471,6 +472,8 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
                 eos_event = GenerationEvent("done", "", token, lp, top)
                 break
             generated.append(token)
+            if parser.markers.thinking.inside:  # before this token's text reaches the parser
+                stats.reasoning_tokens += 1
             if stats.ttft_s is None:
                 stats.ttft_s = time.perf_counter() - t_start
             text, hit = stopper.feed(decoder.feed(token))

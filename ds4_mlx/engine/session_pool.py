@@ -54,6 +54,7 @@ class Slot:
     visible: list[int] | None = None  # ids the client will resend for the last answer (rung 2)
     visible_live: tuple[int, ...] | None = None  # the live tokens that answer left
     prompt_len: int = 0               # length of the last prompt prepared here
+    continues_at: int = 0             # reusing this much of it continues the conversation
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,9 @@ class SessionPool:
         self.control_ids = control_ids
         self.eos_id = eos_id
         self.min_evict_tokens = min_evict_tokens
+        find = getattr(tokenizer, "token_to_id", None)
+        aid = find("<｜Assistant｜>") if find is not None else None
+        self._assistant_id = aid if isinstance(aid, int) and aid >= 0 else None
         self.slots: list[Slot] = []
         self._clock = 0
 
@@ -110,9 +114,7 @@ class SessionPool:
     def _reuse(self, slot: Slot, prompt: Sequence[int], memo: dict) -> int:
         """Tokens of ``prompt`` this slot could serve without computing them (an estimate for
         choosing: the exact count comes from the sync)."""
-        s = slot.session
-        common = s.common_prefix(prompt)
-        best = common if common == s.pos else max([p for p in s.checkpoints() if p <= common] + [0])
+        best = self._reach(slot.session, prompt)
         return max(best, self._visible_match(slot, prompt), self._text_match(slot, prompt, memo)[0])
 
     def choose(self, prompt: Sequence[int], session_id: str | None = None) -> Slot:
@@ -132,8 +134,9 @@ class SessionPool:
         if scored:
             reuse, _, best = max(scored, key=lambda t: (t[0], t[1]))
             # it continues that conversation when it reuses at least its last prompt (a resend,
-            # an edit of the last answer, the next turn); a shared system prompt alone does not
-            if reuse > 0 and reuse >= min(best.prompt_len, best.session.pos):
+            # an edit of the last answer, the next turn) or all of it up to the kept point in its
+            # last turn (text appended to that turn); a shared system prompt alone does not
+            if reuse > 0 and reuse >= min(best.continues_at or best.prompt_len, best.session.pos):
                 return best
         if len(self.slots) < self.max_sessions:
             return self._fresh(None)
@@ -219,22 +222,27 @@ class SessionPool:
                 rung_hint, hint_live = "text", n_live
         slot.visible, slot.visible_live = None, None
         slot.prompt_len = len(prompt)
+        slot.continues_at = self._turn_end(prompt) or len(prompt)
         if len(effective) >= s.ctx:  # the hidden part pushed it over: use the prompt as sent
             effective, rung_hint = prompt, None
         previous = s.on_prefill
         s.on_prefill = on_prefill
+        # The last user/tool turn minus its final token is kept restorable too: a client that
+        # continues by appending to that turn (Claude Code adds a text block to the user message
+        # after a capped answer; more tool results) shares all of it but that final token, which
+        # the appended text may change (a trailing "." and the "\n" after it are one pretoken).
+        turn_end = self._turn_end(effective)
+        if turn_end and self._reach(s, effective) > turn_end:
+            turn_end = 0  # the live state (or a kept one) already holds more: nothing to split
         try:
-            if self.disk is not None:
-                self._restore_snapshot(s, effective)
-                rep = self.disk.sync(s, effective)
-                effective, reused, reports = list(rep.effective_prompt), rep.cached_tokens, [rep]
-                rung = "disk" if rep.source.startswith("disk") else ("token" if reused else "cold")
-                source = "disk" if rung == "disk" else ("live" if reused else "none")
+            head, reused, reports, rung, source = self._sync(s, effective[:turn_end] if turn_end else effective)
+            if turn_end:
+                s.snapshot(keep=True)
+                tail = effective[turn_end:]
+                effective = head + tail
+                reports = reports + self._sync(s, effective)[2]
             else:
-                st = s.sync(effective)
-                reused, reports = st.reused, []
-                rung = {"live": "token", "snapshot": "snapshot"}.get(st.source, "cold") if reused else "cold"
-                source = "live" if reused else "none"
+                effective = head
         finally:
             s.on_prefill = previous
         if rung_hint is not None and reused >= hint_live:
@@ -247,6 +255,36 @@ class SessionPool:
             source = "none"
         self.enforce_budget(keep=slot)
         return Prepared(slot, effective, cached, source, rung, reports)
+
+    @staticmethod
+    def _reach(s, prompt: Sequence[int]) -> int:
+        """How much of ``prompt`` session ``s`` holds, live or in a snapshot it kept."""
+        common = s.common_prefix(prompt)
+        return common if common == s.pos else max([p for p in s.checkpoints() if p <= common] + [0])
+
+    def _turn_end(self, prompt: list[int]) -> int:
+        """The position before the last token of the turn that precedes the trailing assistant
+        prefix (``<｜Assistant｜>`` + ``<think>``/``</think>``), or 0 when the prompt does not end
+        with one (or the pool has no tokenizer)."""
+        aid = self._assistant_id
+        if aid is None or len(prompt) < 5 or prompt[-2] != aid:
+            return 0
+        return len(prompt) - 3
+
+    def _sync(self, s, target: list[int]):
+        """One sync of ``s`` to ``target`` (disk cache first when there is one): (the tokens the
+        session now holds, tokens reused, disk reports, rung, source)."""
+        if self.disk is not None:
+            self._restore_snapshot(s, target)
+            rep = self.disk.sync(s, target)
+            reused = rep.cached_tokens
+            rung = "disk" if rep.source.startswith("disk") else ("token" if reused else "cold")
+            source = "disk" if rung == "disk" else ("live" if reused else "none")
+            return list(rep.effective_prompt), reused, [rep], rung, source
+        st = s.sync(target)
+        reused = st.reused
+        rung = {"live": "token", "snapshot": "snapshot"}.get(st.source, "cold") if reused else "cold"
+        return list(target), reused, [], rung, "live" if reused else "none"
 
     @staticmethod
     def _restore_snapshot(s, target: list[int]) -> None:

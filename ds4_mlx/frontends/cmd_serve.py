@@ -1,7 +1,7 @@
 """`ds4-mlx serve -m MODEL`: OpenAI / Anthropic / Responses API server for coding agents.
 
-Endpoints: GET /v1/models, /v1/models/{id}, /health, /metrics; POST /v1/chat/completions,
-/v1/completions, /v1/messages, /v1/responses.  One inference worker; requests wait in a FIFO of
+Endpoints: GET /v1/models, /v1/models/{id}, /health, /metrics, / (GET and HEAD); POST
+/v1/chat/completions, /v1/completions, /v1/messages, /v1/messages/count_tokens, /v1/responses.  One inference worker; requests wait in a FIFO of
 at most --max-queue (503 + Retry-After beyond).  Binds 127.0.0.1 by default: pass --host 0.0.0.0
 and --api-key to serve a network.  SIGTERM/SIGINT: stop accepting, cancel what is running (its
 stream ends with finish "error", as ds4), save the live sessions to the disk cache (reason
@@ -50,7 +50,16 @@ def register(subparsers) -> None:
     p.add_argument("--cors", action="store_true", help="send permissive CORS headers")
     p.add_argument("--max-body-mb", type=float, default=16.0, help="request body limit (default 16 MiB)")
     p.add_argument("--max-messages", type=int, default=4096, help="messages per request (default 4096)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--max-tokens", "--tokens", action=ranged(int, 1), default=393216, metavar="N", dest="max_tokens",
+                   help="answer length for a request that names none, and the most one may ask for "
+                        "(each answer also stops at the context's end); default 393216 as ds4, i.e. "
+                        "the context. Codex CLI sends no limit: bound its answers with this")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="info (default): one line per request (status, reason of an error, prompt / "
+                        "cached / generated tokens, cache source, timings) and the disk-cache saves")
+    p.add_argument("--trace", metavar="FILE", default=None,
+                   help="append each request's rendered prompt, cache decision, output and tool "
+                        "calls to FILE (as ds4's --trace)")
     add_disk_cache_options(p)
     p.set_defaults(func=run)
 
@@ -68,13 +77,37 @@ def _check(args: argparse.Namespace) -> None:
         raise Ds4Error("--max-body-mb and --max-messages must be positive")
     if args.api_key is not None and not args.api_key:
         raise Ds4Error("--api-key must not be empty")
+    if args.trace:
+        try:
+            with open(args.trace, "a", encoding="utf-8"):
+                pass
+        except OSError as exc:
+            raise Ds4Error(f"--trace {args.trace}: {exc.strerror or exc}") from None
     if not os.path.isfile(args.model):
         raise Ds4Error(f"{args.model}: no such model file")
+
+
+def _log_to_stderr(level: str) -> None:
+    """The server's own lines (requests, cache saves, shutdown) beside uvicorn's: uvicorn
+    configures only its loggers, so ``ds4_mlx`` gets a handler of its own."""
+    import logging
+    import sys
+
+    logger = logging.getLogger("ds4_mlx")
+    if not any(getattr(h, "_ds4_mlx", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s ds4-mlx: %(message)s"))
+        handler._ds4_mlx = True
+        logger.addHandler(handler)
+    logger.setLevel(level.upper())
+    logger.propagate = False
 
 
 def serve(app, backend, host: str, port: int, log_level: str = "info") -> None:
     """Run ``app`` with uvicorn until SIGTERM/SIGINT, cancelling in-flight work first."""
     import uvicorn
+
+    _log_to_stderr(log_level)
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
@@ -99,7 +132,9 @@ def _follow_unless_rank_0(args: argparse.Namespace) -> None:
         Engine.open(args.model, **model_options(args))  # returns only on rank 0
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, *, logits_hook=None) -> int:
+    """``logits_hook``: see :class:`~ds4_mlx.frontends.server.EngineBackend` (developer tools
+    script the answers of a random model with it; the CLI passes none)."""
     _check(args)
     if args.distributed:
         _follow_unless_rank_0(args)
@@ -110,9 +145,9 @@ def run(args: argparse.Namespace) -> int:
                             kv_disk_dir=args.kv_disk_dir,
                             kv_disk_space_mb=args.kv_disk_space_mb, sessions=args.sessions,
                             sessions_mb=args.sessions_mb,
-                            max_queue=args.max_queue, model_id=args.model_id)
+                            max_queue=args.max_queue, model_id=args.model_id, logits_hook=logits_hook)
     config = ServerConfig(ctx=args.ctx, model_id=args.model_id, api_key=args.api_key, cors=args.cors,
                           max_body_bytes=int(args.max_body_mb * 1024 * 1024),
-                          max_messages=args.max_messages)
+                          max_messages=args.max_messages, max_output=args.max_tokens, trace=args.trace)
     serve(create_app(backend, config), backend, args.host, args.port, args.log_level)
     return 0

@@ -36,8 +36,11 @@ def register(subparsers) -> None:
     src.add_argument("--text", help="text to tokenize")
     src.add_argument("--file", help="read the text from this file (UTF-8)")
     src.add_argument("--messages", metavar="REQUEST.json",
-                     help="an OpenAI chat request body (messages, tools, tool_choice, thinking "
-                          "controls): print the ids `ds4-mlx serve` would prefill for it")
+                     help="a request body (messages, tools, tool_choice, thinking controls; the API "
+                          "--api names): print the ids `ds4-mlx serve` would prefill for it")
+    p.add_argument("--api", choices=sorted(API_PATHS), default="chat",
+                   help="--messages: the body's API: chat (OpenAI chat completions, default), "
+                        "messages (Anthropic), responses (OpenAI Responses), completions")
     p.add_argument("--chat", action="store_true", help="wrap the text in ds4's CLI chat template")
     p.add_argument("-sys", "--system", default=None,
                    help=f'--chat: system text (default "{DEFAULT_SYSTEM}"; "" for none)')
@@ -64,15 +67,34 @@ def _read_request(path: str):
         raise TokenizerError(f"{path}: not a JSON request body ({str(exc).splitlines()[0]})") from None
 
 
+API_PATHS = {"chat": "/v1/chat/completions", "messages": "/v1/messages", "responses": "/v1/responses",
+             "completions": "/v1/completions"}
+
+
 def tokenize_request(tok: Tokenizer, args: argparse.Namespace) -> list[int]:
-    """The server's renderer (one function shared with ``serve``), then its tokenization."""
-    from ds4_mlx.chat.request import openai_body_ids
+    """The server's renderer (one function shared with ``serve``), then its tokenization; an
+    Anthropic / Responses / completions body goes through the server's own parser first (the
+    conversion of its transcript to messages is part of what the server prefills)."""
+    from ds4_mlx.chat.request import encode_request, openai_body_ids
+    from ds4_mlx.chat.template import resolve_think_mode
 
     body = _read_request(args.messages)
     # --nothink / --think-max override; otherwise the body's own thinking controls decide
     think = args.think if args.think in ("none", "max") else None
-    ids, _ = openai_body_ids(tok, body, ctx=args.ctx, think=think)
-    return ids
+    if args.api == "chat":
+        ids, _ = openai_body_ids(tok, body, ctx=args.ctx, think=think)
+        return ids
+    from ds4_mlx.frontends.server import parse
+    from ds4_mlx.frontends.server.http_errors import ApiError
+
+    fn = {"messages": parse.parse_messages, "responses": parse.parse_responses,
+          "completions": parse.parse_completion}[args.api]
+    try:
+        req = fn(body, parse.Limits(ctx=args.ctx), {}).request
+    except ApiError as exc:
+        raise TokenizerError(f"{args.messages}: {exc.message}") from None
+    mode = resolve_think_mode(think, args.ctx) if think is not None else req.think
+    return encode_request(tok, req.messages, req.tools, req.tool_choice, mode, args.ctx)
 
 
 def tokenize_args(tok: Tokenizer, text: str, args: argparse.Namespace) -> list[int]:

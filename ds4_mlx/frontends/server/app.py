@@ -35,6 +35,7 @@ from ds4_mlx.frontends.server.http_errors import (
 )
 from ds4_mlx.frontends.server.metrics import Metrics
 from ds4_mlx.frontends.server.replay import ReplayMap
+from ds4_mlx.frontends.server.request_log import Trace, log_request
 from ds4_mlx.frontends.server.turn import Tick, Turn, new_id
 
 log = logging.getLogger("ds4_mlx.server")
@@ -54,7 +55,8 @@ class ServerConfig:
     keepalive_s: float = 5.0   # ": prefill" comment period during long prefills
     retry_after_s: int = 5
     replay_max_ids: int = 100_000
-    max_output: int = 393216   # ds4 -n default, reported as max_completion_tokens
+    trace: str | None = None   # --trace FILE
+    max_output: int = 393216   # --max-tokens (ds4's -n default): default and cap of an answer's length
 
 
 def _json_problem(value, limit: int) -> str | None:
@@ -112,8 +114,9 @@ class Server:
         # one map, shared with a backend that persists it (the disk cache's KTM sections)
         shared = getattr(backend, "replay", None)
         self.replay = shared if shared is not None else ReplayMap(config.replay_max_ids)
+        self.trace = Trace(config.trace) if config.trace else None
         self.limits = parse.Limits(ctx=config.ctx, max_messages=config.max_messages,
-                                   model_id=config.model_id)
+                                   model_id=config.model_id, max_output=config.max_output)
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -169,6 +172,22 @@ class Server:
                              "queue_depth": self.backend.queue_depth, "busy": self.backend.busy},
                             status_code=200 if ok else 503)
 
+    async def root(self, request: Request) -> Response:
+        """``GET``/``HEAD /``: Claude Code probes the base URL before its first request."""
+        return JSONResponse({"status": "ok" if self.backend.alive else "unavailable",
+                             "model": self.config.model_id})
+
+    async def count_tokens(self, request: Request) -> Response:
+        """Anthropic ``POST /v1/messages/count_tokens``: the prompt tokens of a messages body,
+        rendered and tokenized as ``/v1/messages`` would (``max_tokens`` not required)."""
+        parsed = parse.parse_messages(await self.read_json(request), self.limits, request.headers)
+        req = parsed.request
+        try:
+            n = await asyncio.to_thread(self.backend.count_tokens, req)
+        except ChatError as exc:
+            raise ApiError(400, str(exc)) from None
+        return JSONResponse({"input_tokens": n})
+
     async def metrics_text(self, request: Request) -> Response:
         return Response(self.metrics.render(queue_depth=self.backend.queue_depth, busy=self.backend.busy),
                         media_type="text/plain; version=0.0.4")
@@ -178,28 +197,28 @@ class Server:
     async def chat(self, request: Request) -> Response:
         parsed = parse.parse_chat(await self.read_json(request), self.limits, request.headers)
         rid = new_id("chatcmpl-", 24)
-        return await self.generate(request, parsed, "call_",
+        return await self.generate(request, parsed, rid, "call_",
                                    lambda t: openai_api.chat_stream(t, parsed, rid),
                                    lambda r: openai_api.chat_body(r, parsed, rid, int(time.time())))
 
     async def completions(self, request: Request) -> Response:
         parsed = parse.parse_completion(await self.read_json(request), self.limits, request.headers)
         rid = new_id("cmpl-", 24)
-        return await self.generate(request, parsed, "call_",
+        return await self.generate(request, parsed, rid, "call_",
                                    lambda t: openai_api.completion_stream(t, parsed, rid),
                                    lambda r: openai_api.completion_body(r, parsed, rid, int(time.time())))
 
     async def messages(self, request: Request) -> Response:
         parsed = parse.parse_messages(await self.read_json(request), self.limits, request.headers)
         mid = new_id("msg_", 24)
-        return await self.generate(request, parsed, "toolu_",
+        return await self.generate(request, parsed, mid, "toolu_",
                                    lambda t: anthropic_api.message_stream(t, parsed, mid),
                                    lambda r: anthropic_api.message_body(r, parsed, mid))
 
     async def responses(self, request: Request) -> Response:
         parsed = parse.parse_responses(await self.read_json(request), self.limits, request.headers)
         rid = new_id("resp_", 24)
-        return await self.generate(request, parsed, "call_",
+        return await self.generate(request, parsed, rid, "call_",
                                    lambda t: responses_api.response_stream(t, parsed, rid),
                                    lambda r: responses_api.response_body(r, parsed, rid, int(time.time())))
 
@@ -210,12 +229,13 @@ class Server:
                                 "using high")
         return h
 
-    async def generate(self, request: Request, parsed: parse.Parsed, call_prefix: str,
+    async def generate(self, request: Request, parsed: parse.Parsed, rid: str, call_prefix: str,
                        stream_fn: Callable, body_fn: Callable) -> Response:
         req = parsed.request
-        protocol = protocol_of_path(request.url.path)
+        endpoint = request.url.path
+        protocol = protocol_of_path(endpoint)
         try:  # render now so a malformed transcript is a 400 before anything is queued
-            render_request(req.messages, req.tools, req.tool_choice, req.think, self.config.ctx)
+            prompt_text = render_request(req.messages, req.tools, req.tool_choice, req.think, self.config.ctx)
         except ChatError as exc:
             raise ApiError(400, str(exc)) from None
         disk_dir = getattr(self.backend, "kv_disk_dir", None)
@@ -246,20 +266,36 @@ class Server:
             turn.close()
             raise
         if isinstance(first, Started):
-            headers["x-ds4-cache"] = (f"source={first.cache_source}; reused={first.cached_tokens}")
+            headers["x-ds4-cache"] = _cache_note(first.cache_source, first.cached_tokens)
         turn._queue.insert(0, first)
+
+        async def finished(status: int) -> None:
+            r = turn.result
+            log_request(rid=rid, endpoint=endpoint, status=status, stream=req.stream, result=r,
+                        reason=r.error if r.finish == "error" else None)
+            if self.trace is not None:
+                await asyncio.to_thread(self.trace.write, rid=rid, endpoint=endpoint,
+                                        prompt_text=prompt_text, request=req, result=r, status=status)
 
         if req.stream:
             async def body():
+                noted = "x-ds4-cache" in headers
                 try:
                     async for chunk in stream_fn(turn):
+                        if not noted and turn.result.started:
+                            # the headers went out during a long prefill, before the cache decision:
+                            # the decision comes as an SSE comment ahead of the first event after it
+                            noted = True
+                            yield f": x-ds4-cache {_cache_note(turn.result.cache_source, turn.result.cached_tokens)}\n\n"
                         yield chunk
                 except BackendError as exc:
                     turn.done = True
+                    turn.result.finish, turn.result.error = "error", exc.message
                     yield stream_error_event(exc.message, protocol)
                 finally:
                     watcher.cancel()
                     turn.close()
+                    await finished(200)
 
             headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
@@ -277,7 +313,8 @@ class Server:
         r = turn.result
         if r.finish == "error" and not (r.content or r.reasoning or r.calls) and r.error:
             raise ApiError(500 if r.error != "server shutting down" else 503, r.error)
-        headers["x-ds4-cache"] = f"source={r.cache_source}; reused={r.cached_tokens}"
+        headers["x-ds4-cache"] = _cache_note(r.cache_source, r.cached_tokens)
+        await finished(200)
         return JSONResponse(body_fn(r), headers=headers)
 
     async def _watch_disconnect(self, request: Request, turn: Turn) -> None:
@@ -295,6 +332,10 @@ class Server:
             return
 
 
+def _cache_note(source: str, reused: int) -> str:
+    return f"source={source}; reused={reused}"
+
+
 def _wrap(server: Server, fn):
     async def endpoint(request: Request) -> Response:
         protocol = protocol_of_path(request.url.path)
@@ -302,9 +343,11 @@ def _wrap(server: Server, fn):
             response = await fn(request)
         except BackendError as err:  # ApiError included
             response = error_response(err, protocol)
+            log_request(rid="-", endpoint=request.url.path, status=err.status, reason=err.message)
         except Exception:
             log.exception("unhandled error in %s", request.url.path)
             response = error_response(ApiError(500, "internal server error"), protocol)
+            log_request(rid="-", endpoint=request.url.path, status=500, reason="internal server error")
         server.metrics.request(request.url.path if not request.url.path.startswith("/v1/models/")
                                else "/v1/models/{id}", response.status_code)
         return response
@@ -340,10 +383,11 @@ class _Guard:
 
         if scope["method"] == "OPTIONS":
             return await Response(status_code=204)(scope, receive, send_with_cors)
-        if self.key is not None and scope["path"] != "/health":
+        if self.key is not None and scope["path"] not in ("/health", "/"):  # probes carry no secrets
             headers = dict(scope.get("headers") or [])
             if not self._authorized(headers):
                 err = ApiError(401, "invalid or missing API key")
+                log_request(rid="-", endpoint=scope["path"], status=401, reason=err.message)
                 return await error_response(err, protocol_of_path(scope["path"]),
                                             {"WWW-Authenticate": "Bearer"})(scope, receive, send_with_cors)
         return await self.app(scope, receive, send_with_cors)
@@ -366,6 +410,7 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> Starlett
         protocol = protocol_of_path(request.url.path)
         if exc.status_code == 404:
             server.metrics.request("unknown", 404)
+            log_request(rid="-", endpoint=request.url.path, status=404, reason="unknown endpoint")
             return error_response(ApiError(404, "unknown endpoint"), protocol)
         return error_response(ApiError(exc.status_code, str(exc.detail)), protocol)
 
@@ -374,6 +419,7 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> Starlett
         return error_response(ApiError(500, "internal server error"), protocol_of_path(request.url.path))
 
     routes = [
+        Route("/", _wrap(server, server.root), methods=["GET", "HEAD"]),
         Route("/v1/models", _wrap(server, server.models), methods=["GET"]),
         Route("/v1/models/{model_id:path}", _wrap(server, server.model), methods=["GET"]),
         Route("/health", _wrap(server, server.health), methods=["GET"]),
@@ -381,6 +427,7 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> Starlett
         Route("/v1/chat/completions", _wrap(server, server.chat), methods=["POST"]),
         Route("/v1/completions", _wrap(server, server.completions), methods=["POST"]),
         Route("/v1/messages", _wrap(server, server.messages), methods=["POST"]),
+        Route("/v1/messages/count_tokens", _wrap(server, server.count_tokens), methods=["POST"]),
         Route("/v1/responses", _wrap(server, server.responses), methods=["POST"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,

@@ -176,6 +176,11 @@ class Backend:
         job._put(Done("cancelled"))
         job._put(_END)
 
+    def count_tokens(self, request: ChatRequest) -> int:
+        """The prompt tokens ``request`` would prefill (Anthropic ``count_tokens``); runs on the
+        calling thread, so it must not touch the model's tensors."""
+        raise BackendError(501, "token counting is not available on this backend")
+
     @property
     def queue_depth(self) -> int:
         with self._cond:
@@ -347,6 +352,15 @@ class EngineBackend(Backend):
                 out.append(fn)
         return out
 
+    def count_tokens(self, request: ChatRequest) -> int:
+        # the tokenizer is plain Python over read-only tables: safe off the worker thread
+        from ds4_mlx.chat.request import encode_request
+
+        if self.model is None:
+            raise BackendError(503, "the model is not loaded")
+        return len(encode_request(self.model.tokenizer, request.messages, request.tools,
+                                  request.tool_choice, request.think, self.ctx))
+
     def _visible_ids(self, req: ChatRequest, result) -> list[int] | None:
         """The ids a client resends for this transcript plus the answer just given (ds4's
         thinking-visible key), or None when they cannot be told."""
@@ -426,6 +440,7 @@ class EngineBackend(Backend):
                 self.pool.remember_answer(prep.slot, visible)
                 now = time.monotonic()
                 yield Done(res.finish_reason, n_out, raw_dsml=res.raw_dsml, error=res.error,
-                           prefill_seconds=t1 - t0, decode_seconds=now - t1)
+                           prefill_seconds=t1 - t0, decode_seconds=now - t1,
+                           reasoning_tokens=0 if req.raw_output else res.stats.reasoning_tokens)
                 return
         yield Done("error", n_out, error="engine ended without a done event")

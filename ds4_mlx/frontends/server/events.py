@@ -98,6 +98,7 @@ class Done:
     error: str | None = None
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    reasoning_tokens: int = 0       # of completion_tokens, those generated inside the reasoning
 
 
 Event = Union[Prefill, Started, Reasoning, Content, ToolStart, ToolArgs, ToolEnd, Done]

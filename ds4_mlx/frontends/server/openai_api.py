@@ -19,7 +19,8 @@ def usage(r: TurnResult) -> dict:
     return {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
             "total_tokens": r.prompt_tokens + r.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": r.cached_tokens,
-                                      "cache_write_tokens": r.prompt_tokens - r.cached_tokens}}
+                                      "cache_write_tokens": r.prompt_tokens - r.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": r.reasoning_tokens}}
 
 
 def sse(obj) -> str:

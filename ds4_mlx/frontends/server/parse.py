@@ -13,7 +13,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ds4_mlx.chat.request import requested_think_mode
-from ds4_mlx.chat.template import DEFAULT_SYSTEM, ThinkMode, content_text, resolve_think_mode
+from ds4_mlx.chat.template import (
+    DEFAULT_SYSTEM,
+    ThinkMode,
+    content_text,
+    render_tool_schemas,
+    resolve_think_mode,
+)
 from ds4_mlx.errors import ChatError
 from ds4_mlx.frontends.server.events import ChatRequest
 from ds4_mlx.frontends.server.http_errors import ApiError
@@ -27,6 +33,7 @@ class Limits:
     ctx: int = 32768
     max_messages: int = 4096
     model_id: str = "deepseek-v4-flash"
+    max_output: int = 393216  # --max-tokens: the answer length when a request names none, and its cap
 
 
 @dataclass
@@ -113,7 +120,9 @@ def _common(body: Mapping, limits: Limits, max_keys: tuple[str, ...], stop_key: 
         raise bad("seed must be an integer", "seed")
     return dict(
         model=model,
-        max_tokens=min(max_tokens or limits.ctx, limits.ctx),  # clamped to the context
+        # a request without a limit (Codex sends none) gets --max-tokens; none gets more, and the
+        # backend clamps again to the room left after the prompt
+        max_tokens=min(max_tokens or limits.max_output, limits.max_output, limits.ctx),
         temperature=_number(body, "temperature", 1.0, 0.0, 100.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
         min_p=_number(body, "min_p", 0.05, 0.0, 1.0),
@@ -252,23 +261,59 @@ def _anthropic_tool_choice(value):
     raise bad('tool_choice.type must be "auto", "any", "tool" (with name) or "none"', "tool_choice")
 
 
-def _result_text(value, where: str) -> str:
-    if isinstance(value, list):
-        return _text([b for b in value if isinstance(b, Mapping) and b.get("type", "text") == "text"],
-                     where)
-    return _text(value, where)
+# Anthropic text blocks of one message are separate paragraphs to the client (Claude Code sends a
+# <system-reminder> block, then the prompt); joined with nothing they would run into each other
+# ("...</system-reminder>Say hello."), which ds4 does.  A blank line is how every other part of the
+# template separates texts (the system texts are joined the same way).
+BLOCK_SEPARATOR = "\n\n"
+ANTHROPIC_ROLES = ("user", "assistant", "system", "developer")
 
 
-def _anthropic_messages(messages) -> list[dict]:
+def _tool_reference_text(block: Mapping, deferred: Mapping[str, Mapping], where: str) -> str:
+    """A ``tool_reference`` block (Anthropic tool search: "this tool is now loaded") becomes the
+    tool's schema line where it stands, so the tool enters the prompt at that point and the
+    prefix before it (tools prompt included) stays what the client sent before."""
+    name = block.get("tool_name")
+    if not isinstance(name, str) or not name:
+        raise bad(f"{where}: tool_reference needs a tool_name string", "messages")
+    tool = deferred.get(name)
+    if tool is None:
+        return ""  # a tool already in the tools prompt (or one the client never sent): nothing to add
+    return render_tool_schemas([tool]).rstrip("\n")
+
+
+def _result_text(value, where: str, deferred: Mapping[str, Mapping]) -> str:
+    if not isinstance(value, list):
+        return _text(value, where)
+    parts = []
+    for j, b in enumerate(value):
+        if not isinstance(b, Mapping):
+            continue
+        kind = b.get("type", "text")
+        if kind == "text":
+            parts.append(_text(b.get("text", ""), f"{where}[{j}].text"))
+        elif kind == "tool_reference":
+            parts.append(_tool_reference_text(b, deferred, f"{where}[{j}]"))
+    return BLOCK_SEPARATOR.join(p for p in parts if p)
+
+
+def _anthropic_messages(messages, deferred: Mapping[str, Mapping] = {}) -> list[dict]:
+    """Anthropic ``messages`` -> OpenAI-shaped messages.  ``system``/``developer`` items may stand
+    anywhere (Claude Code puts its environment block after the first user message): they become
+    system messages, which the renderer gathers into the system text as ds4 does."""
     out: list[dict] = []
     seen_ids: set[str] = set()
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(m, Mapping) or m.get("role") not in ("user", "assistant"):
-            raise bad(f"{where} must be an object with role user or assistant", "messages")
+        if not isinstance(m, Mapping):
+            raise bad(f"{where} must be an object", "messages")
+        role = m.get("role")
+        if role not in ANTHROPIC_ROLES:
+            shown = repr(role) if isinstance(role, str) and len(role) <= 40 else "this role"
+            raise bad(f"{where}.role {shown} is not supported: use user, assistant or system", "messages")
         content = m.get("content")
         if isinstance(content, str):
-            out.append({"role": m["role"], "content": content})
+            out.append({"role": "system" if role == "developer" else role, "content": content})
             continue
         if not isinstance(content, list):
             raise bad(f"{where}.content must be a string or an array of blocks", "messages")
@@ -281,9 +326,13 @@ def _anthropic_messages(messages) -> list[dict]:
             kind = b.get("type")
             if kind == "text":
                 texts.append(_text(b.get("text", ""), f"{where}.content[{j}].text"))
-            elif kind == "thinking" and m["role"] == "assistant":
+            elif role in ("system", "developer"):
+                if kind in ("tool_use", "tool_result"):
+                    raise bad(f"{where}.content[{j}]: {kind} in a {role} message is not supported",
+                              "messages")
+            elif kind == "thinking" and role == "assistant":
                 reasoning.append(_text(b.get("thinking", ""), f"{where}.content[{j}].thinking"))
-            elif kind == "tool_use" and m["role"] == "assistant":
+            elif kind == "tool_use" and role == "assistant":
                 tid, name, inp = b.get("id"), b.get("name"), b.get("input", {})
                 if not isinstance(tid, str) or not isinstance(name, str) or not isinstance(inp, Mapping):
                     raise bad(f"{where}.content[{j}]: tool_use needs id, name and an input object",
@@ -291,33 +340,53 @@ def _anthropic_messages(messages) -> list[dict]:
                 seen_ids.add(tid)
                 calls.append({"id": tid, "type": "function", "function": {
                     "name": name, "arguments": json.dumps(inp, ensure_ascii=False, separators=(",", ":"))}})
-            elif kind == "tool_result" and m["role"] == "user":
+            elif kind == "tool_result" and role == "user":
                 tid = b.get("tool_use_id")
                 if not isinstance(tid, str) or tid not in seen_ids:
                     raise bad(f"{where}.content[{j}]: tool_result {tid!r} has no matching tool_use "
                               "earlier in this request; replay the full history", "messages")
                 out.append({"role": "tool", "tool_call_id": tid,
-                            "content": _result_text(b.get("content", ""), f"{where}.content[{j}].content")})
+                            "content": _result_text(b.get("content", ""), f"{where}.content[{j}].content",
+                                                    deferred)})
             # images, documents, redacted thinking...: skipped, as ds4 does
-        if m["role"] == "assistant":
-            msg: dict = {"role": "assistant", "content": "".join(texts)}
+        text = BLOCK_SEPARATOR.join(t for t in texts if t)
+        if role == "assistant":
+            msg: dict = {"role": "assistant", "content": text}
             if reasoning:
                 msg["reasoning_content"] = "".join(reasoning)
             if calls:
                 msg["tool_calls"] = calls
             out.append(msg)
+        elif role in ("system", "developer"):
+            out.append({"role": "system", "content": text})
         elif texts:
-            out.append({"role": "user", "content": "".join(texts)})
+            out.append({"role": "user", "content": text})
     return out
+
+
+def _anthropic_tools(body: Mapping) -> tuple[list | None, dict[str, Mapping]]:
+    """The tools for the prompt and the deferred ones by name: a tool sent with ``defer_loading``
+    (Anthropic tool search) stays out of the tools prompt until a ``tool_reference`` block names
+    it (see :func:`_tool_reference_text`)."""
+    tools = body.get("tools")
+    if not isinstance(tools, list):
+        return tools, {}
+    deferred = {t["name"]: t for t in tools if isinstance(t, Mapping) and t.get("defer_loading") is True
+                and isinstance(t.get("name"), str)}
+    if not deferred:
+        return tools, {}
+    kept = [t for t in tools if not (isinstance(t, Mapping) and t.get("defer_loading") is True)]
+    return kept, {n: {k: v for k, v in t.items() if k != "defer_loading"} for n, t in deferred.items()}
 
 
 def parse_messages(body, limits: Limits, headers: Mapping = {}) -> Parsed:
     body = _object(body)
     messages = _transcript(body.get("messages"), limits, "messages")
     requested, think = _think(body, limits.ctx)
-    tool_fields = _tool_fields(body, _anthropic_tool_choice(body.get("tool_choice")))
+    tools, deferred = _anthropic_tools(body)
+    tool_fields = _tool_fields({"tools": tools}, _anthropic_tool_choice(body.get("tool_choice")))
     system = _anthropic_system(body.get("system"))
-    msgs = ([{"role": "system", "content": system}] if system else []) + _anthropic_messages(messages)
+    msgs = ([{"role": "system", "content": system}] if system else []) + _anthropic_messages(messages, deferred)
     req = ChatRequest(messages=msgs, think=think, **tool_fields,
                       **_common(body, limits, ("max_tokens",), "stop_sequences", headers))
     return Parsed(req, requested)
@@ -349,12 +418,13 @@ def _responses_input(items) -> list[dict]:
 
     def assistant() -> dict:
         if out and out[-1]["role"] == "assistant" and not out[-1].get("_closed"):
-            return out[-1]
-        msg = {"role": "assistant", "content": ""}
+            msg = out[-1]
+        else:
+            msg = {"role": "assistant", "content": ""}
+            out.append(msg)
         if pending_reasoning:
-            msg["reasoning_content"] = "".join(pending_reasoning)
+            msg["reasoning_content"] = msg.get("reasoning_content", "") + "".join(pending_reasoning)
             pending_reasoning.clear()
-        out.append(msg)
         return msg
 
     for i, it in enumerate(items):
@@ -371,14 +441,18 @@ def _responses_input(items) -> list[dict]:
                 msg = assistant()
                 msg["content"] += text
             else:
+                if pending_reasoning:  # reasoning with no answer after it is still that turn's output
+                    assistant()
                 if out and out[-1]["role"] == "assistant":
                     out[-1]["_closed"] = True
                 out.append({"role": role, "content": text})
         elif kind == "reasoning":
             summary = it.get("summary") or []
             if isinstance(summary, list):
-                pending_reasoning.append("".join(s.get("text", "") for s in summary
-                                                 if isinstance(s, Mapping) and isinstance(s.get("text"), str)))
+                text = "".join(s.get("text", "") for s in summary
+                               if isinstance(s, Mapping) and isinstance(s.get("text"), str))
+                if text:  # an empty summary (reasoning not shown to the client) adds no turn
+                    pending_reasoning.append(text)
         elif kind in ("function_call", "custom_tool_call"):
             cid, name = it.get("call_id"), it.get("name")
             if not isinstance(cid, str) or not isinstance(name, str):
@@ -395,12 +469,16 @@ def _responses_input(items) -> list[dict]:
             assistant().setdefault("tool_calls", []).append(
                 {"id": cid, "type": "function", "function": {"name": name, "arguments": args}})
         elif kind in ("function_call_output", "custom_tool_call_output"):
+            if pending_reasoning:
+                assistant()
             if out and out[-1]["role"] == "assistant":
                 out[-1]["_closed"] = True
             output = it.get("output", "")
             text = output if isinstance(output, str) else _item_text(output, f"{where}.output")
             out.append({"role": "tool", "tool_call_id": it.get("call_id"), "content": text})
         # other items (web_search_call, compaction, ...) are bookkeeping: skipped as in ds4
+    if pending_reasoning:  # a turn that ended in its reasoning (cut at max tokens): replay it too
+        assistant()
     for m in out:
         m.pop("_closed", None)
     return out

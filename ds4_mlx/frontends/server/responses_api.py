@@ -1,5 +1,7 @@
-"""OpenAI Responses ``/v1/responses``: response object and the data-only SSE sequence, every
-event carrying a ``sequence_number`` (Codex relies on it)."""
+"""OpenAI Responses ``/v1/responses``: response object and the SSE sequence, every event an
+``event: TYPE`` line and its ``data:`` line (OpenAI's wire format; ds4 sends the data lines only)
+and carrying a ``sequence_number`` (Codex relies on it).  Every item of the final response was
+announced by ``response.output_item.added``/``done`` first."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ def usage(r: TurnResult) -> dict:
     return {"input_tokens": r.prompt_tokens,
             "input_tokens_details": {"cached_tokens": r.cached_tokens,
                                      "cache_write_tokens": r.prompt_tokens - r.cached_tokens},
-            "output_tokens": r.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": r.completion_tokens, "output_tokens_details": {"reasoning_tokens": r.reasoning_tokens},
             "total_tokens": r.prompt_tokens + r.completion_tokens}
 
 
@@ -93,7 +95,7 @@ async def response_stream(turn: Turn, parsed: Parsed, rid: str) -> AsyncIterator
         nonlocal seq
         data = {"type": kind, **fields, "sequence_number": seq}
         seq += 1
-        return "data: " + json.dumps(data, ensure_ascii=False) + "\n\n"
+        return f"event: {kind}\ndata: " + json.dumps(data, ensure_ascii=False) + "\n\n"
 
     def open_(key: str) -> int:
         nonlocal next_index, open_item
@@ -101,6 +103,14 @@ async def response_stream(turn: Turn, parsed: Parsed, rid: str) -> AsyncIterator
         next_index += 1
         open_item = key
         return indexes[key]
+
+    def open_message() -> str:
+        i = open_("message")
+        return (emit("response.output_item.added", output_index=i,
+                     item={"id": ids.message, "type": "message", "status": "in_progress",
+                           "role": "assistant", "content": []})
+                + emit("response.content_part.added", item_id=ids.message, output_index=i,
+                       content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
 
     def close(final: bool) -> str:
         nonlocal open_item
@@ -152,13 +162,7 @@ async def response_stream(turn: Turn, parsed: Parsed, rid: str) -> AsyncIterator
                        output_index=indexes["reasoning"], summary_index=0, delta=ev.text)
         elif isinstance(ev, Content):
             if open_item != "message":
-                yield close(False)
-                i = open_("message")
-                yield emit("response.output_item.added", output_index=i,
-                           item={"id": ids.message, "type": "message", "status": "in_progress",
-                                 "role": "assistant", "content": []})
-                yield emit("response.content_part.added", item_id=ids.message, output_index=i,
-                           content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+                yield close(False) + open_message()
             yield emit("response.output_text.delta", item_id=ids.message, output_index=indexes["message"],
                        content_index=0, delta=ev.text)
         elif isinstance(ev, ToolStart):
@@ -174,6 +178,9 @@ async def response_stream(turn: Turn, parsed: Parsed, rid: str) -> AsyncIterator
             yield close(True)
         elif isinstance(ev, Done):
             yield close(True)
+            if "message" not in indexes and not r.calls:
+                # no text came but the response lists its (empty) message: announce it like any item
+                yield open_message() + close(True)
             status = status_of(r.finish)
             kind = {"completed": "response.completed", "incomplete": "response.incomplete",
                     "failed": "response.failed"}[status]

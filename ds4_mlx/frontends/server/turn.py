@@ -49,6 +49,9 @@ class TurnResult:
     cached_tokens: int = 0
     cache_source: str = "none"
     completion_tokens: int = 0
+    reasoning_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
     finish: str = "stop"
     error: str | None = None
     started: bool = False
@@ -164,6 +167,8 @@ class Turn:
             finish = "stop"
         r.finish, r.error = finish, error
         r.completion_tokens = ev.completion_tokens
+        r.reasoning_tokens = min(ev.reasoning_tokens, ev.completion_tokens)
+        r.prefill_s, r.decode_s = ev.prefill_seconds, ev.decode_seconds
         if r.reasoning and (r.content or r.calls):
             r.reasoning_closed = True
         if r.calls and ev.raw_dsml:
