@@ -28,6 +28,7 @@ from ds4_mlx.frontends.server.events import (
     ToolEnd,
     ToolStart,
 )
+from ds4_mlx.frontends.server.http_protocol import uvicorn_config
 
 RAW_DSML = ('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
             '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
@@ -129,8 +130,8 @@ class LiveServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.app = create_app(backend, self.config)
-        self._server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
-                                                     log_level="warning", lifespan="on"))
+        # the connection limits serve runs with (header deadline, connection cap)
+        self._server = uvicorn.Server(uvicorn_config(self.app, "127.0.0.1", self.port, "warning"))
         self._thread = threading.Thread(target=self._server.run, daemon=True)
 
     def __enter__(self) -> "LiveServer":

@@ -239,3 +239,37 @@ def test_lock_is_exclusive_across_processes(tmp_path):
     with kvstore_scan.directory_lock(tmp_path):
         pass
     assert time.time() - t0 < 5
+
+
+def test_a_lock_another_process_keeps_fails_the_write_after_the_timeout(tmp_path, monkeypatch):
+    """#26 item 7: while another process held the directory lock a request waited 29 s (and the
+    one queued behind it 21 s). The writer now waits DS4_MLX_KV_LOCK_TIMEOUT seconds, then the
+    write fails with one line (a failed save: the request goes on without it), nothing stored is
+    lost, and opening and evicting do not wait at all past the timeout."""
+    monkeypatch.setenv("DS4_MLX_KV_LOCK_TIMEOUT", "0.4")
+    store = make_store(tmp_path, BUDGET_MB)
+    store.store(toks(600, 1), "kept before", bytes(FILE_BYTES), "cold")
+    before = sorted(p.name for p in tmp_path.glob("*.kv"))
+    holder = subprocess.Popen([sys.executable, "-c", f"""
+import fcntl, os, sys, time
+fd = os.open({str(tmp_path / kvstore_scan.LOCK_NAME)!r}, os.O_RDWR)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(60)
+"""], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        t0 = time.monotonic()
+        with pytest.raises(kvstore_scan.KVLockTimeout, match="held the KV cache lock for 0.4 s; not written"):
+            store.store(toks(600, 2), "blocked", bytes(FILE_BYTES), "cold")
+        assert time.monotonic() - t0 < 3
+        t0 = time.monotonic()
+        assert store.evict() == []
+        again = make_store(tmp_path, BUDGET_MB)  # opening cleans up under the lock: skipped
+        assert time.monotonic() - t0 < 3 and again is not None
+    finally:
+        holder.kill()
+        holder.wait()
+    assert sorted(p.name for p in tmp_path.glob("*.kv")) == before
+    store.store(toks(600, 3), "after", bytes(FILE_BYTES), "cold")  # the lock is free again
+    assert len(list(tmp_path.glob("*.kv"))) == len(before) + 1

@@ -37,7 +37,7 @@ def test_sixteen_concurrent_clients():
 def _open_stream(port: int, body: dict) -> socket.socket:
     s = socket.create_connection(("127.0.0.1", port), timeout=20)
     data = json.dumps(body).encode()
-    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
               + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
     return s
 

@@ -19,7 +19,7 @@ CHAT = json.dumps({"messages": [{"role": "user", "content": "hi"}]})
 
 @pytest.fixture(scope="module")
 def live():
-    with LiveServer(ScriptedBackend(), ServerConfig(api_key=KEY, cors=True, keepalive_s=0.2,
+    with LiveServer(ScriptedBackend(), ServerConfig(api_key=KEY, cors=("http://app.example",), keepalive_s=0.2,
                                                     max_messages=50)) as s:
         yield s
 
@@ -114,7 +114,7 @@ def _send_huge(url_port: int, declared: int, send: int) -> bytes:
     """POST a body of ``send`` bytes declaring ``declared``; return what the server answered."""
     s = socket.create_connection(("127.0.0.1", url_port), timeout=20)
     try:
-        s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
                   f"Content-Type: application/json\r\nContent-Length: {declared}\r\n\r\n".encode())
         chunk = b" " * (1 << 20)
         try:
@@ -144,10 +144,15 @@ def test_64mib_body_is_413(live):
 
 
 def test_cors_and_options(live):
-    status, headers, _ = http(live.url, "OPTIONS", "/v1/chat/completions")
-    assert status == 204 and headers["access-control-allow-origin"] == "*"
-    status, headers, _ = http(live.url, "GET", "/v1/models", None, AUTH)
+    origin = {"Origin": "http://app.example"}
+    status, headers, _ = http(live.url, "OPTIONS", "/v1/chat/completions", None, origin)
+    assert status == 204 and headers["access-control-allow-origin"] == "http://app.example"
+    assert headers["vary"] == "Origin"
+    status, headers, _ = http(live.url, "GET", "/v1/models", None, {**AUTH, **origin})
     assert headers["access-control-allow-methods"] == "GET, POST, OPTIONS"
+    # another site gets no CORS headers (its browser then refuses to hand it the answer)
+    status, headers, _ = http(live.url, "OPTIONS", "/v1/chat/completions", None, {"Origin": "http://evil.example"})
+    assert status == 204 and "access-control-allow-origin" not in headers
 
 
 def test_no_cors_headers_by_default():
@@ -174,3 +179,33 @@ def test_queue_full_is_503_with_retry_after():
         assert status == 503 and json.loads(body)["error"]["type"] == "overloaded_error"
         first.join()
         assert http(s.url, "GET", "/health")[0] == 200
+
+
+def test_a_foreign_host_and_a_non_json_post_are_refused_before_anything_runs(live):
+    """#26 item 6: any web page could make the default (no key, localhost) server generate with a
+    cross-site text/plain POST, and a DNS-rebinding page could read the answers."""
+    backend = ScriptedBackend()
+    with LiveServer(backend, ServerConfig(keepalive_s=0.2)) as s:
+        for host in ("evil.example", "evil.example:8000", "127.0.0.1.evil.example", "[::2]:1"):
+            status, _, raw = http(s.url, "POST", "/v1/chat/completions", CHAT, {"Host": host})
+            assert status == 421 and "is not served here" in json.loads(raw)["error"]["message"], host
+            assert http(s.url, "GET", "/health", None, {"Host": host})[0] == 421
+        for host in ("localhost:1234", "127.0.0.1", "[::1]:8000", "LOCALHOST"):
+            assert http(s.url, "POST", "/v1/chat/completions", CHAT, {"Host": host})[0] == 200, host
+        for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", ""):
+            status, _, raw = http(s.url, "POST", "/v1/messages", CHAT, {"Content-Type": kind})
+            body = json.loads(raw)
+            assert status == 415 and body["type"] == "error" and "Content-Type: application/json" in \
+                body["error"]["message"], kind
+        for kind in ("application/json; charset=utf-8", "Application/JSON", "application/vnd.api+json"):
+            assert http(s.url, "POST", "/v1/chat/completions", CHAT, {"Content-Type": kind})[0] == 200, kind
+        assert len(backend.requests) == 7  # the refused ones never reached the backend
+
+
+def test_the_cli_allows_loopback_names_on_a_loopback_bind_only():
+    from ds4_mlx.frontends.cmd_serve import allowed_hosts
+
+    assert allowed_hosts("127.0.0.1", []) == ("localhost", "127.0.0.1", "::1")
+    assert allowed_hosts("::1", ["My-Box.lan"]) == ("localhost", "127.0.0.1", "::1", "my-box.lan")
+    assert allowed_hosts("0.0.0.0", []) is None  # its names are not known here: --allow-host names them
+    assert allowed_hosts("0.0.0.0", ["gpu.lan"]) == ("0.0.0.0", "gpu.lan")

@@ -288,18 +288,20 @@ def peak_rss_bytes() -> int:
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
-def _save_line(res) -> str:
+def save_line(res) -> str:
+    """The one line a disk-cache save (``SaveResult``) is reported with."""
     if res.stored:
         return f"kv cache stored {res.tokens} tokens ({res.reason}) in {res.path}"
     return f"kv cache store {res.status} ({res.reason}, {res.tokens} tokens): {res.detail}"
 
 
-def _sync_lines(report) -> list[tuple[str, object]]:
+def sync_report_lines(report) -> list[tuple[str, object]]:
+    """(line, object) for what a ``DiskCache.sync`` did: refusals, the hit, the saves."""
     out: list[tuple[str, object]] = [(f"kv cache refused {why}", report) for why in report.refused]
     if report.hit_path is not None:
         by = report.source.removeprefix("disk-")
         out.append((f"kv cache hit: {report.cached_tokens} tokens ({by}) from {report.hit_path}", report))
-    out += [(_save_line(res), res) for res in report.saved]
+    out += [(save_line(res), res) for res in report.saved]
     return out
 
 
@@ -400,7 +402,7 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
             ids, stats.cached_tokens = list(report.effective_prompt), report.cached_tokens
             stats.prompt_tokens = len(ids)
             stats.cache_source = report.source if report.cached_tokens else "none"
-            cache_events = _sync_lines(report)
+            cache_events = sync_report_lines(report)
         else:
             synced = session.sync(ids)
             stats.cached_tokens = synced.reused
@@ -491,7 +493,7 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
             if kv_cache is not None:
                 res = kv_cache.after_eval(session)
                 if res is not None:
-                    stats.cache.append(_save_line(res))
+                    stats.cache.append(save_line(res))
                     yield GenerationEvent("cache", stats.cache[-1], report=res)
     except KeyboardInterrupt:
         finish = "cancelled"
@@ -509,7 +511,7 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
     if kv_cache is not None and kv_cache_save_on_exit:
         res = kv_cache.close(session)
         if res is not None:
-            stats.cache.append(_save_line(res))
+            stats.cache.append(save_line(res))
             yield GenerationEvent("cache", stats.cache[-1], report=res)
     final_deltas = tuple(parser.finish())
     message = [e for e in final_deltas if isinstance(e, StreamEnd)][-1].message

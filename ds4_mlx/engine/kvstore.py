@@ -104,6 +104,7 @@ from ds4_mlx.engine.kvstore_policy import (
 from ds4_mlx.engine.kvstore_scan import (
     DirScan,
     KVCacheDirError,
+    KVLockTimeout,
     check_cache_dir,
     clean_stale_temps,
     directory_lock,
@@ -202,9 +203,12 @@ class KVStore:
         except OSError as exc:
             raise KVCacheDirError(f"{self.directory}: cannot create the KV cache directory: "
                                   f"{exc.strerror or exc}") from None
-        with directory_lock(self.directory):
-            clean_stale_temps(self.directory, self._clock())
-            evict_to_budget(self.directory, self.budget, self._clock(), options=options)
+        try:
+            with directory_lock(self.directory):
+                clean_stale_temps(self.directory, self._clock())
+                evict_to_budget(self.directory, self.budget, self._clock(), options=options)
+        except KVLockTimeout as exc:  # the next store evicts; opening must not wait for a stranger
+            logger.warning("kv cache open: %s; the clean-up waits for the next save", exc)
         logger.info("kv cache %s budget=%.2f MiB quant=%d ctx=%d cross-quant=%s min=%d cold_max=%d "
                     "continued=%d trim=%d align=%d anchor=x%g demote-superseded=%s", self.directory,
                     self.budget / 2**20, quant_bits, ctx, "accept" if accept_other_quant else "reject",
@@ -522,7 +526,12 @@ class KVStore:
     # -- eviction --------------------------------------------------------------------------------
 
     def evict(self, protect: str | None = None) -> list[Evicted]:
-        """Evict down to the budget now (ds4 does this on open and after each store)."""
-        with self._lock, directory_lock(self.directory):
-            return evict_to_budget(self.directory, self.budget, self._clock(), protect=protect,
-                                   options=self.options)
+        """Evict down to the budget now (ds4 does this on open and after each store); nothing
+        when another process holds the directory's lock past the timeout (it is evicting)."""
+        try:
+            with self._lock, directory_lock(self.directory):
+                return evict_to_budget(self.directory, self.budget, self._clock(), protect=protect,
+                                       options=self.options)
+        except KVLockTimeout as exc:
+            logger.warning("kv cache evict skipped: %s", exc)
+            return []

@@ -155,14 +155,34 @@ def check_cache_dir(directory: str | os.PathLike) -> None:
                               f"directory of its own")
 
 
+LOCK_TIMEOUT_S = 5.0  # how long a writer waits for another process's lock (DS4_MLX_KV_LOCK_TIMEOUT)
+
+
+class KVLockTimeout(KVStoreError):
+    """Another process held the cache directory's lock for longer than the timeout."""
+
+
+def lock_timeout() -> float:
+    env = os.environ.get("DS4_MLX_KV_LOCK_TIMEOUT")
+    try:
+        return max(0.0, float(env)) if env else LOCK_TIMEOUT_S
+    except ValueError:
+        return LOCK_TIMEOUT_S
+
+
 @contextmanager
-def directory_lock(directory: str | os.PathLike) -> Iterator[bool]:
+def directory_lock(directory: str | os.PathLike, timeout: float | None = None) -> Iterator[bool]:
     """Hold an exclusive advisory lock on the cache directory (``flock`` on ``LOCK_NAME`` in it).
 
     Every writer takes it around "make room, then write", so the budget holds for any number of
     processes sharing the directory: without it, each one evicts against the same listing and
     then writes, and the directory ends up holding all their files. Yields False, unlocked, when
     the lock file cannot be opened (a read-only directory, where nothing can be written anyway).
+
+    A lock another process holds is waited for at most ``timeout`` seconds (default
+    :func:`lock_timeout`), then ``KVLockTimeout`` is raised: a stuck or slow process sharing the
+    directory must not stall every request of this one (the save is skipped and reported, the
+    request goes on without it).
     """
     path = Path(directory) / LOCK_NAME
     try:
@@ -172,7 +192,19 @@ def directory_lock(directory: str | os.PathLike) -> Iterator[bool]:
         yield False
         return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        wait = lock_timeout() if timeout is None else timeout
+        deadline = time.monotonic() + wait
+        delay = 0.005
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise KVLockTimeout(f"{directory}: another process has held the KV cache lock for "
+                                        f"{wait:g} s; not written (DS4_MLX_KV_LOCK_TIMEOUT sets the wait)") from None
+                time.sleep(delay)
+                delay = min(delay * 2, 0.1)
         yield True
     finally:
         os.close(fd)  # releases the lock

@@ -47,7 +47,13 @@ def register(subparsers) -> None:
                    help="requests allowed to wait for the worker (default 64); more get 503")
     p.add_argument("--api-key", default=os.environ.get("DS4_MLX_API_KEY"),
                    help="require this key (Authorization: Bearer or x-api-key); env DS4_MLX_API_KEY")
-    p.add_argument("--cors", action="store_true", help="send permissive CORS headers")
+    p.add_argument("--cors", nargs="+", metavar="ORIGIN", default=(),
+                   help="let web pages of these origins call the server from a browser (e.g. "
+                        "http://localhost:3000; * for any, which lets every site you visit use it)")
+    p.add_argument("--allow-host", action="append", metavar="NAME", default=[],
+                   help="also answer requests whose Host header names NAME (default: localhost, "
+                        "127.0.0.1 and ::1 on a loopback bind, any on a network bind unless this "
+                        "is given); other Hosts get 421, which stops DNS-rebinding pages")
     p.add_argument("--max-body-mb", type=float, default=16.0, help="request body limit (default 16 MiB)")
     p.add_argument("--max-messages", type=int, default=4096, help="messages per request (default 4096)")
     p.add_argument("--max-tokens", "--tokens", action=ranged(int, 1), default=393216, metavar="N", dest="max_tokens",
@@ -114,9 +120,21 @@ def serve(app, backend, host: str, port: int, log_level: str = "info") -> None:
             backend.begin_shutdown()  # in-flight streams end now, so uvicorn can drain quickly
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30,
-                            lifespan="on")
-    _Server(config).run()
+    from ds4_mlx.frontends.server.http_protocol import uvicorn_config
+
+    _Server(uvicorn_config(app, host, port, log_level, timeout_graceful_shutdown=30)).run()
+
+
+LOOPBACK = ("localhost", "127.0.0.1", "::1")
+
+
+def allowed_hosts(bind: str, extra: list[str]) -> tuple[str, ...] | None:
+    """The Host names served: on a loopback bind the loopback names (a page on any site can reach
+    a local server; only its Host tells it apart), on a network bind any unless names are given."""
+    names = tuple(n.strip().lower().strip("[]") for n in extra if n.strip())
+    if bind.strip("[]") in LOOPBACK:
+        return LOOPBACK + names
+    return (bind.strip("[]").lower(),) + names if names else None
 
 
 def _follow_unless_rank_0(args: argparse.Namespace) -> None:
@@ -146,7 +164,8 @@ def run(args: argparse.Namespace, *, logits_hook=None) -> int:
                             kv_disk_space_mb=args.kv_disk_space_mb, sessions=args.sessions,
                             sessions_mb=args.sessions_mb,
                             max_queue=args.max_queue, model_id=args.model_id, logits_hook=logits_hook)
-    config = ServerConfig(ctx=args.ctx, model_id=args.model_id, api_key=args.api_key, cors=args.cors,
+    config = ServerConfig(ctx=args.ctx, model_id=args.model_id, api_key=args.api_key, cors=tuple(args.cors),
+                          allowed_hosts=allowed_hosts(args.host, args.allow_host),
                           max_body_bytes=int(args.max_body_mb * 1024 * 1024),
                           max_messages=args.max_messages, max_output=args.max_tokens, trace=args.trace)
     serve(create_app(backend, config), backend, args.host, args.port, args.log_level)

@@ -48,7 +48,10 @@ class ServerConfig:
     ctx: int = 32768
     model_id: str = "deepseek-v4-flash"
     api_key: str | None = None
-    cors: bool = False
+    cors: tuple[str, ...] = ()  # --cors ORIGIN...: origins allowed to call from a browser ("*": any)
+    # --allow-host: the Host header values served (a DNS-rebinding page sends its own name);
+    # None: any (a server bound to a network address, whose names are not known here)
+    allowed_hosts: tuple[str, ...] | None = ("localhost", "127.0.0.1", "::1")
     max_body_bytes: int = 16 * 1024 * 1024
     max_json_depth: int = 64
     max_messages: int = 4096
@@ -56,6 +59,9 @@ class ServerConfig:
     retry_after_s: int = 5
     replay_max_ids: int = 100_000
     trace: str | None = None   # --trace FILE
+    header_timeout_s: float = 10.0  # a connection's request head must arrive within this
+    body_timeout_s: float = 30.0    # the longest wait for the next piece of a request body
+    max_connections: int = 256      # beyond: the connection idle longest is closed (http_protocol)
     max_output: int = 393216   # --max-tokens (ds4's -n default): default and cap of an answer's length
 
 
@@ -130,7 +136,15 @@ class Server:
             except ValueError:
                 raise ApiError(400, "bad Content-Length header") from None
         chunks, size = [], 0
-        async for chunk in request.stream():
+        stream = request.stream().__aiter__()
+        while True:
+            try:  # a client that stops sending mid-body must not hold its connection for ever
+                chunk = await asyncio.wait_for(stream.__anext__(), self.config.body_timeout_s)
+            except StopAsyncIteration:
+                break
+            except (asyncio.TimeoutError, TimeoutError):
+                raise ApiError(408, f"request body not received: nothing came for {self.config.body_timeout_s:g} s "
+                                    f"after {size} bytes") from None
             size += len(chunk)
             if size > cap:
                 raise ApiError(413, f"request body is larger than {cap} bytes")
@@ -369,27 +383,62 @@ class _Guard:
             given = auth[7:].strip()
         return given is not None and hmac.compare_digest(given, self.key)
 
+    def _host_ok(self, headers: dict) -> str | None:
+        """None when the Host header is one this server answers to, else the name it gave."""
+        allowed = self.config.allowed_hosts
+        if allowed is None:
+            return None
+        raw = headers.get(b"host", b"").decode("latin-1").strip().lower()
+        name = raw[1:raw.index("]")] if raw.startswith("[") and "]" in raw else raw.rsplit(":", 1)[0]
+        return None if name in allowed else (name or "(none)")
+
+    def _cors_headers(self, headers: dict) -> list:
+        origins = self.config.cors
+        origin = headers.get(b"origin")
+        if not origins or origin is None:
+            return []
+        if "*" in origins:
+            allow = b"*"
+        elif origin.decode("latin-1") in origins:
+            allow = origin
+        else:
+            return []
+        return [(b"access-control-allow-origin", allow), (b"vary", b"Origin"),
+                (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
+                (b"access-control-allow-headers", b"*")]
+
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        cors = [(b"access-control-allow-origin", b"*"),
-                (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
-                (b"access-control-allow-headers", b"*")] if self.config.cors else []
+        headers = dict(scope.get("headers") or [])
+        cors = self._cors_headers(headers)
+        protocol = protocol_of_path(scope["path"])
 
         async def send_with_cors(message):
             if message["type"] == "http.response.start" and cors:
                 message = dict(message, headers=list(message.get("headers", [])) + cors)
             await send(message)
 
+        async def refuse(err: ApiError, extra: dict | None = None):
+            log_request(rid="-", endpoint=scope["path"], status=err.status, reason=err.message)
+            return await error_response(err, protocol, extra)(scope, receive, send_with_cors)
+
+        bad_host = self._host_ok(headers)
+        if bad_host is not None:
+            return await refuse(ApiError(421, f"Host {bad_host[:80]!r} is not served here (this server answers "
+                                              f"to {', '.join(self.config.allowed_hosts)}; serve --allow-host NAME "
+                                              "adds a name)"))
         if scope["method"] == "OPTIONS":
             return await Response(status_code=204)(scope, receive, send_with_cors)
         if self.key is not None and scope["path"] not in ("/health", "/"):  # probes carry no secrets
-            headers = dict(scope.get("headers") or [])
             if not self._authorized(headers):
-                err = ApiError(401, "invalid or missing API key")
-                log_request(rid="-", endpoint=scope["path"], status=401, reason=err.message)
-                return await error_response(err, protocol_of_path(scope["path"]),
-                                            {"WWW-Authenticate": "Bearer"})(scope, receive, send_with_cors)
+                return await refuse(ApiError(401, "invalid or missing API key"), {"WWW-Authenticate": "Bearer"})
+        if scope["method"] == "POST":
+            # a page on another site can POST text/plain without a preflight; JSON needs one
+            kind = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+            if kind != b"application/json" and not (kind.startswith(b"application/") and kind.endswith(b"+json")):
+                return await refuse(ApiError(415, "request bodies must be JSON: send Content-Type: "
+                                                  f"application/json (got {kind.decode('latin-1')[:60] or 'none'!r})"))
         return await self.app(scope, receive, send_with_cors)
 
 

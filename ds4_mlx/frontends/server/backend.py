@@ -250,6 +250,13 @@ class Backend:
 # The real engine behind the library API
 
 
+def _log_cache(line: str, report) -> None:
+    """A disk-cache event in the server log; a failed save (a full disk, a directory another
+    process keeps locked, ...) at WARNING: the request went on without it."""
+    failed = getattr(report, "status", None) == "failed"
+    log.log(logging.WARNING if failed else logging.INFO, line)
+
+
 class _Abandoned(Exception):
     """Raised from the prefill hook when the client went away; the computed chunks stay live."""
 
@@ -384,6 +391,7 @@ class EngineBackend(Backend):
         import ds4_mlx
         from ds4_mlx.chat.dsml_stream import ToolCallEnd, ToolCallStart
         from ds4_mlx.chat.request import encode_request
+        from ds4_mlx.engine.generate import sync_report_lines
 
         prompt = encode_request(self.model.tokenizer, req.messages, req.tools, req.tool_choice,
                                 req.think, self.ctx)
@@ -403,6 +411,9 @@ class EngineBackend(Backend):
             yield Done("cancelled", error="cancelled during prefill")
             return
         t1 = time.monotonic()
+        for report in prep.reports:
+            for line, obj in sync_report_lines(report):
+                _log_cache(line, obj)
         yield Started(len(prompt), prep.cached, prep.source)
         room = self.ctx - len(prep.prompt)
         max_tokens = max(0, min(req.max_tokens or room, room))
@@ -415,7 +426,10 @@ class EngineBackend(Backend):
                 session=prep.slot.session, kv_cache=self.disk, cancel=cancel,
                 logits_processors=self._processors(req, prep.prompt) or None):
             kind = ev.kind
-            if kind in ("notice", "cache"):
+            if kind == "cache":
+                _log_cache(ev.text, ev.report)
+                continue
+            if kind == "notice":
                 continue
             if req.raw_output:
                 if kind != "done" and ev.text:

@@ -13,11 +13,13 @@ from starlette.responses import Response
 from ds4_mlx.frontends.server.events import BackendError
 
 OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-                405: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
+                405: "invalid_request_error", 408: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+                421: "invalid_request_error",
                 422: "invalid_request_error", 429: "rate_limit_error", 503: "server_error",
                 500: "server_error"}
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                   405: "invalid_request_error", 409: "invalid_request_error",
+                   405: "invalid_request_error", 408: "invalid_request_error", 409: "invalid_request_error", 415: "invalid_request_error",
+                   421: "invalid_request_error",
                    413: "request_too_large", 422: "invalid_request_error", 429: "rate_limit_error",
                    503: "overloaded_error", 500: "api_error"}
 

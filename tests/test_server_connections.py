@@ -1,0 +1,86 @@
+"""Slow and idle clients (#26 item 4): a request head must arrive within the header deadline, a
+body must keep coming within the body deadline (408), and a flood of idle connections cannot lock
+real clients out (beyond the cap the connection idle longest is closed).  Before, 1100 half-sent
+unauthenticated connections made /health and authorized requests time out."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+from ds4_mlx.frontends.server import ServerConfig
+from server_backend import LiveServer, ScriptedBackend, http
+
+HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+BODY = json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode()
+
+
+def _closed_within(s: socket.socket, seconds: float) -> float | None:
+    """Seconds until the server closed ``s`` (None if it was still open after ``seconds``)."""
+    t0 = time.monotonic()
+    s.settimeout(seconds)
+    try:
+        while True:
+            data = s.recv(4096)
+            if not data:
+                return time.monotonic() - t0
+    except (TimeoutError, socket.timeout):
+        return None
+    except ConnectionResetError:
+        return time.monotonic() - t0
+
+
+def test_a_request_head_that_never_completes_is_closed_at_the_deadline():
+    with LiveServer(ScriptedBackend(), ServerConfig(keepalive_s=0.2, header_timeout_s=0.6)) as s:
+        silent = socket.create_connection(("127.0.0.1", s.port))
+        partial = socket.create_connection(("127.0.0.1", s.port))
+        partial.sendall(HEAD)  # no blank line: the head never ends
+        # a keep-alive connection that answers one request, then starts another and stops
+        again = socket.create_connection(("127.0.0.1", s.port))
+        again.sendall(HEAD + f"Content-Length: {len(BODY)}\r\n\r\n".encode() + BODY)
+        again.settimeout(10)
+        got = b""
+        while b"Hello, world!" not in got:
+            got += again.recv(65536)
+        again.sendall(b"GET /health HTTP/1.1\r\n")
+        for sock in (silent, partial, again):
+            took = _closed_within(sock, 5)
+            assert took is not None and took < 3, took
+            sock.close()
+        assert http(s.url, "GET", "/health")[0] == 200
+
+
+def test_a_body_that_stops_coming_gets_408():
+    with LiveServer(ScriptedBackend(), ServerConfig(keepalive_s=0.2, body_timeout_s=0.5)) as s:
+        sock = socket.create_connection(("127.0.0.1", s.port), timeout=10)
+        sock.sendall(HEAD + b"Content-Length: 100\r\n\r\n" + BODY[:10])
+        t0 = time.monotonic()
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            piece = sock.recv(65536)
+            if not piece:
+                break
+            answer += piece
+        assert time.monotonic() - t0 < 5
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+        err = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+        assert "nothing came for 0.5 s after 10 bytes" in err["message"]
+        sock.close()
+        assert len(s.backend.requests) == 0
+
+
+def test_a_flood_of_idle_connections_does_not_lock_clients_out():
+    with LiveServer(ScriptedBackend(), ServerConfig(keepalive_s=0.2, header_timeout_s=60,
+                                                    max_connections=16)) as s:
+        idle = [socket.create_connection(("127.0.0.1", s.port)) for _ in range(60)]
+        for sock in idle[::2]:
+            sock.sendall(HEAD)  # half of them half-sent
+        t0 = time.monotonic()
+        assert http(s.url, "POST", "/v1/chat/completions", BODY, timeout=10)[0] == 200
+        assert http(s.url, "GET", "/health", timeout=10)[0] == 200
+        assert time.monotonic() - t0 < 5
+        closed = sum(_closed_within(sock, 0.05) is not None for sock in idle)
+        assert closed >= 60 - 16, closed  # the oldest idle ones made room
+        for sock in idle:
+            sock.close()
