@@ -371,9 +371,8 @@ def _transfer(t: Target, remote: _Remote, f, have: int, token: str | None, progr
 
     url = hf_hub_url(t.repo, t.filename, revision=remote.commit, endpoint=endpoint)
     headers = build_hf_headers(token=token)
-    bar = _bar_class(progress)
-    with _quiet_retries():
-        _transfer_windows(t, remote, f, have, url, headers, bar, endpoint)
+    with _quiet_retries(), _ctrl_c_sticks() as pressed:
+        _transfer_windows(t, remote, f, have, url, headers, _bar_class(progress, pressed), endpoint, pressed)
 
 
 class _DropRetryWarnings(logging.Filter):
@@ -396,12 +395,43 @@ def _quiet_retries():
         logger.removeFilter(flt)
 
 
+@contextlib.contextmanager
+def _ctrl_c_sticks():
+    """Within the block Ctrl-C raises KeyboardInterrupt as usual, and also sets the yielded event,
+    which the transfer checks after every chunk and window: a KeyboardInterrupt that some layer
+    of the HTTP stack turns into a "dropped connection" and retries (the hub library resumes
+    dropped transfers itself) still stops the download. SIGINT is also unblocked and handled
+    here even when the process was started with it ignored or blocked (a download's Ctrl-C must
+    work). Off the main thread (no signal handlers there) the event is never set."""
+    import signal
+    import threading
+
+    pressed = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield pressed
+        return
+
+    def handler(signum, frame):
+        pressed.set()
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, handler)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    try:
+        yield pressed
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _transfer_windows(t: Target, remote: _Remote, f, have: int, url: str, headers: dict, bar,
-                      endpoint: str | None) -> None:
+                      endpoint: str | None, pressed=None) -> None:
     from huggingface_hub.file_download import http_get
 
     barren = 0  # transport failures in a row that brought no bytes
     while have < remote.size:
+        if pressed is not None and pressed.is_set():
+            raise KeyboardInterrupt
         end = min(have + _WINDOW, remote.size)
         # http_get turns resume_size into "Range: bytes=<have>-", keeping the end given here; the last
         # window is open-ended like curl -C -, and a window starting at 0 covering the file is a plain GET.
@@ -423,6 +453,8 @@ def _transfer_windows(t: Target, remote: _Remote, f, have: int, url: str, header
                 time.sleep(0 if barren == 0 else 1)
                 continue
             raise _as_hub_error(exc, t, endpoint) from None
+        if pressed is not None and pressed.is_set():
+            raise KeyboardInterrupt  # pressed during a window the HTTP stack then finished anyway
         have = f.seek(0, os.SEEK_END)
         if have != end:
             raise HubError(f"download of {t.repo}/{t.filename} stopped at byte {have} instead of {end}: "
@@ -478,18 +510,29 @@ def _link_in_cache(blob: Path, pointer: Path, storage: Path, commit: str) -> Non
             from None
 
 
-def _bar_class(progress: bool):
+def _bar_class(progress: bool, pressed=None):
     """The progress bar class for http_get and the sha256 check: the hub library's own bar (it honours
     HF_HUB_DISABLE_PROGRESS_BARS) that clears itself when done, so the window bars follow each other
-    on one line; or one that never draws."""
+    on one line; or one that never draws. With ``pressed`` (see ``_ctrl_c_sticks``) every update
+    after a Ctrl-C raises KeyboardInterrupt again."""
     if not progress:
-        return _silent_bar_class()
-    from huggingface_hub.utils import tqdm as hf_tqdm
+        base = _silent_bar_class()
+    else:
+        from huggingface_hub.utils import tqdm as hf_tqdm
 
-    class Bar(hf_tqdm):
-        def __init__(self, *args, **kwargs):
-            kwargs["leave"] = False
-            super().__init__(*args, **kwargs)
+        class base(hf_tqdm):
+            def __init__(self, *args, **kwargs):
+                kwargs["leave"] = False
+                super().__init__(*args, **kwargs)
+
+    if pressed is None:
+        return base
+
+    class Bar(base):
+        def update(self, n=1):
+            if pressed.is_set():
+                raise KeyboardInterrupt
+            return super().update(n)
 
     return Bar
 
