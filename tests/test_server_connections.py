@@ -84,3 +84,38 @@ def test_a_flood_of_idle_connections_does_not_lock_clients_out():
         assert closed >= 60 - 16, closed  # the oldest idle ones made room
         for sock in idle:
             sock.close()
+
+
+def test_a_huge_body_is_decoded_off_the_event_loop_and_tools_are_capped():
+    """#26 item 5: one 14.9 MiB request with 3.9 M empty tools froze /health and other clients'
+    streams for 17-31 s (rendering and the nesting check ran on the event loop). Decoding, the
+    checks, parsing and rendering now run in a worker thread; what still holds the loop up is the
+    GIL during ``json.loads`` of the body (one C call: about half a second for 15 MiB here)."""
+    import threading
+
+    with LiveServer(ScriptedBackend(), ServerConfig(keepalive_s=0.2, max_tools=64)) as s:
+        status, _, raw = http(s.url, "POST", "/v1/chat/completions", json.dumps(
+            {"messages": [{"role": "user", "content": "hi"}], "tools": [{}] * 65}))
+        err = json.loads(raw)["error"]
+        assert status == 413 and err["message"] == "tools: 65 entries, the limit is 64" and err["param"] == "tools"
+        # 4 M empty arrays in a field the server ignores: every one is checked (depth, Unicode)
+        big = json.dumps({"messages": [{"role": "user", "content": "x"}], "metadata": [[]] * 4_000_000})
+        assert len(big) > 14 << 20
+        over = json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "y"}] * 8}
+                                        for _ in range(60000)]})  # over --max-messages
+        result = {}
+        valid = json.dumps({"max_tokens": 4, "messages": [
+            {"role": "user", "content": "z" * 3500} for _ in range(4000)]})  # 14 MiB to render
+        for body, want in ((big, 200), (over, 413), (valid, 200)):
+            t = threading.Thread(target=lambda b=body: result.__setitem__(
+                "answer", http(s.url, "POST", "/v1/chat/completions", b, timeout=120)))
+            t.start()
+            worst = 0.0
+            while t.is_alive():
+                t0 = time.monotonic()
+                assert http(s.url, "GET", "/health", timeout=30)[0] == 200
+                worst = max(worst, time.monotonic() - t0)
+                time.sleep(0.05)
+            t.join()
+            assert result["answer"][0] == want
+            assert worst < 2.0, worst

@@ -55,6 +55,7 @@ class ServerConfig:
     max_body_bytes: int = 16 * 1024 * 1024
     max_json_depth: int = 64
     max_messages: int = 4096
+    max_tools: int = 1024
     keepalive_s: float = 5.0   # ": prefill" comment period during long prefills
     retry_after_s: int = 5
     replay_max_ids: int = 100_000
@@ -121,7 +122,7 @@ class Server:
         shared = getattr(backend, "replay", None)
         self.replay = shared if shared is not None else ReplayMap(config.replay_max_ids)
         self.trace = Trace(config.trace) if config.trace else None
-        self.limits = parse.Limits(ctx=config.ctx, max_messages=config.max_messages,
+        self.limits = parse.Limits(ctx=config.ctx, max_messages=config.max_messages, max_tools=config.max_tools,
                                    model_id=config.model_id, max_output=config.max_output)
 
     # -- plumbing ------------------------------------------------------------------------------
@@ -149,8 +150,13 @@ class Server:
             if size > cap:
                 raise ApiError(413, f"request body is larger than {cap} bytes")
             chunks.append(chunk)
+        # decoding and checking 16 MiB takes seconds: off the event loop, which must keep
+        # answering /health and streaming to the other clients meanwhile
+        return await asyncio.to_thread(self._decode, b"".join(chunks))
+
+    def _decode(self, raw: bytes):
         try:
-            body = json.loads(b"".join(chunks))
+            body = json.loads(raw)
         except RecursionError:
             raise ApiError(400, "invalid JSON request: nesting too deep") from None
         except ValueError:
@@ -159,6 +165,11 @@ class Server:
         if problem is not None:
             raise ApiError(400, f"invalid JSON request: {problem}")
         return body
+
+    async def parsed(self, request: Request, parse_fn) -> parse.Parsed:
+        """The request's body parsed by ``parse_fn`` (validation and conversion run off the loop)."""
+        body = await self.read_json(request)
+        return await asyncio.to_thread(parse_fn, body, self.limits, request.headers)
 
     def model_object(self) -> dict:
         ctx = self.config.ctx
@@ -194,7 +205,7 @@ class Server:
     async def count_tokens(self, request: Request) -> Response:
         """Anthropic ``POST /v1/messages/count_tokens``: the prompt tokens of a messages body,
         rendered and tokenized as ``/v1/messages`` would (``max_tokens`` not required)."""
-        parsed = parse.parse_messages(await self.read_json(request), self.limits, request.headers)
+        parsed = await self.parsed(request, parse.parse_messages)
         req = parsed.request
         try:
             n = await asyncio.to_thread(self.backend.count_tokens, req)
@@ -209,28 +220,28 @@ class Server:
     # -- generation -------------------------------------------------------------------------
 
     async def chat(self, request: Request) -> Response:
-        parsed = parse.parse_chat(await self.read_json(request), self.limits, request.headers)
+        parsed = await self.parsed(request, parse.parse_chat)
         rid = new_id("chatcmpl-", 24)
         return await self.generate(request, parsed, rid, "call_",
                                    lambda t: openai_api.chat_stream(t, parsed, rid),
                                    lambda r: openai_api.chat_body(r, parsed, rid, int(time.time())))
 
     async def completions(self, request: Request) -> Response:
-        parsed = parse.parse_completion(await self.read_json(request), self.limits, request.headers)
+        parsed = await self.parsed(request, parse.parse_completion)
         rid = new_id("cmpl-", 24)
         return await self.generate(request, parsed, rid, "call_",
                                    lambda t: openai_api.completion_stream(t, parsed, rid),
                                    lambda r: openai_api.completion_body(r, parsed, rid, int(time.time())))
 
     async def messages(self, request: Request) -> Response:
-        parsed = parse.parse_messages(await self.read_json(request), self.limits, request.headers)
+        parsed = await self.parsed(request, parse.parse_messages)
         mid = new_id("msg_", 24)
         return await self.generate(request, parsed, mid, "toolu_",
                                    lambda t: anthropic_api.message_stream(t, parsed, mid),
                                    lambda r: anthropic_api.message_body(r, parsed, mid))
 
     async def responses(self, request: Request) -> Response:
-        parsed = parse.parse_responses(await self.read_json(request), self.limits, request.headers)
+        parsed = await self.parsed(request, parse.parse_responses)
         rid = new_id("resp_", 24)
         return await self.generate(request, parsed, rid, "call_",
                                    lambda t: responses_api.response_stream(t, parsed, rid),
@@ -249,7 +260,8 @@ class Server:
         endpoint = request.url.path
         protocol = protocol_of_path(endpoint)
         try:  # render now so a malformed transcript is a 400 before anything is queued
-            prompt_text = render_request(req.messages, req.tools, req.tool_choice, req.think, self.config.ctx)
+            prompt_text = await asyncio.to_thread(render_request, req.messages, req.tools, req.tool_choice,
+                                                  req.think, self.config.ctx)
         except ChatError as exc:
             raise ApiError(400, str(exc)) from None
         disk_dir = getattr(self.backend, "kv_disk_dir", None)

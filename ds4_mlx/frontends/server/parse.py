@@ -32,6 +32,7 @@ MAX_STOP_CHARS = 1024
 class Limits:
     ctx: int = 32768
     max_messages: int = 4096
+    max_tools: int = 1024
     model_id: str = "deepseek-v4-flash"
     max_output: int = 393216  # --max-tokens: the answer length when a request names none, and its cap
 
@@ -144,10 +145,12 @@ def _transcript(items, limits: Limits, key: str) -> list:
     return items
 
 
-def _tool_fields(body: Mapping, choice) -> dict:
+def _tool_fields(body: Mapping, choice, limits: Limits) -> dict:
     """``tools`` and ``tool_choice`` of a ChatRequest; "none" drops the tools (no tools prompt,
     as ds4)."""
     tools = body.get("tools")
+    if isinstance(tools, list) and len(tools) > limits.max_tools:
+        raise ApiError(413, f"tools: {len(tools)} entries, the limit is {limits.max_tools}", param="tools")
     if tools is not None and (not isinstance(tools, list)
                               or not all(isinstance(t, Mapping) for t in tools)):
         raise bad("tools must be an array of objects", "tools")
@@ -199,7 +202,7 @@ def parse_chat(body, limits: Limits, headers: Mapping = {}) -> Parsed:
     body = _object(body)
     messages = _transcript(body.get("messages"), limits, "messages")
     requested, think = _think(body, limits.ctx)
-    tool_fields = _tool_fields(body, _openai_tool_choice(body.get("tool_choice")))
+    tool_fields = _tool_fields(body, _openai_tool_choice(body.get("tool_choice")), limits)
     so = body.get("stream_options")
     include_usage = isinstance(so, Mapping) and so.get("include_usage") is True
     req = ChatRequest(messages=_openai_messages(messages), think=think, **tool_fields,
@@ -384,7 +387,7 @@ def parse_messages(body, limits: Limits, headers: Mapping = {}) -> Parsed:
     messages = _transcript(body.get("messages"), limits, "messages")
     requested, think = _think(body, limits.ctx)
     tools, deferred = _anthropic_tools(body)
-    tool_fields = _tool_fields({"tools": tools}, _anthropic_tool_choice(body.get("tool_choice")))
+    tool_fields = _tool_fields({"tools": tools}, _anthropic_tool_choice(body.get("tool_choice")), limits)
     system = _anthropic_system(body.get("system"))
     msgs = ([{"role": "system", "content": system}] if system else []) + _anthropic_messages(messages, deferred)
     req = ChatRequest(messages=msgs, think=think, **tool_fields,
@@ -494,7 +497,7 @@ def parse_responses(body, limits: Limits, headers: Mapping = {}) -> Parsed:
         items = [{"role": "user", "content": items}]
     items = _transcript(items, limits, "input")
     requested, think = _think(body, limits.ctx)
-    tool_fields = _tool_fields(body, _responses_tool_choice(body.get("tool_choice")))
+    tool_fields = _tool_fields(body, _responses_tool_choice(body.get("tool_choice")), limits)
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise bad("instructions must be a string", "instructions")
