@@ -291,3 +291,28 @@ def test_the_trace_file_holds_prompt_decision_and_output(tmp_path):
     assert "--- prompt ---\n<｜begin▁of▁sentence｜>" in block and "<｜User｜>trace me<｜Assistant｜><think>" in block
     assert "--- reasoning ---\nLet me think.\n--- content ---\nHello, world!\n" in block
     assert "--- end: finish=stop generated=4" in block
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice":
+        {"type": "function", "function": {"name": "ghost"}},
+        "tools": [{"type": "function", "function": {"name": "real", "parameters": {}}}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}),
+    ("/v1/messages", {"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
+                      "tool_choice": {"type": "tool", "name": "ghost"}, "tools": [{"name": "real", "input_schema": {}}]}),
+    ("/v1/responses", {"input": [{"role": "user", "content": "hi"}], "tool_choice": {"type": "function", "name": "ghost"},
+                       "tools": [{"type": "function", "name": "real", "parameters": {}}]}),
+], ids=["chat-named", "chat-required", "messages-named", "responses-named"])
+def test_a_forced_tool_that_does_not_exist_is_a_400_not_a_forced_call(live, path, body):
+    """#26 item 8: tool_choice naming a tool not in tools was accepted and its invoke forced."""
+    n = len(live.backend.requests)
+    status, _, raw = post(live, path, body)
+    assert status == 400, raw
+    err = json.loads(raw)["error"]
+    assert "tool_choice" in err["message"] and ("ghost" in err["message"] or "tools is empty" in err["message"])
+    assert len(live.backend.requests) == n
+    ok = dict(body, tool_choice={"type": "tool", "name": "real"} if path == "/v1/messages" else
+              {"type": "function", "name": "real"} if path == "/v1/responses" else
+              {"type": "function", "function": {"name": "real"}})
+    if "tools" in body:
+        assert post(live, path, ok)[0] == 200

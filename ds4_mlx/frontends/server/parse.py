@@ -145,15 +145,29 @@ def _transcript(items, limits: Limits, key: str) -> list:
     return items
 
 
-def _tool_fields(body: Mapping, choice, limits: Limits) -> dict:
+def _tool_name(tool: Mapping):
+    fn = tool.get("function")
+    return fn.get("name") if isinstance(fn, Mapping) else tool.get("name")
+
+
+def _tool_fields(body: Mapping, choice, limits: Limits, also_named=()) -> dict:
     """``tools`` and ``tool_choice`` of a ChatRequest; "none" drops the tools (no tools prompt,
-    as ds4)."""
+    as ds4).  A choice that forces a call needs a tool to call: "required" with no tools, or a
+    name no tool has (``also_named``: tools sent but kept out of the prompt), is a 400 rather
+    than a constraint the model cannot meet."""
     tools = body.get("tools")
     if isinstance(tools, list) and len(tools) > limits.max_tools:
         raise ApiError(413, f"tools: {len(tools)} entries, the limit is {limits.max_tools}", param="tools")
     if tools is not None and (not isinstance(tools, list)
                               or not all(isinstance(t, Mapping) for t in tools)):
         raise bad("tools must be an array of objects", "tools")
+    if choice == "required" and not tools:
+        raise bad("tool_choice requires a tool call but tools is empty", "tool_choice")
+    if isinstance(choice, Mapping):
+        names = {_tool_name(t) for t in tools or ()} | set(also_named)
+        if choice["name"] not in names:
+            shown = choice["name"] if len(choice["name"]) <= 80 else choice["name"][:80] + "..."
+            raise bad(f"tool_choice names {shown!r}, which is not in tools", "tool_choice")
     return {"tools": None if choice == "none" else (list(tools or ()) or None), "tool_choice": choice}
 
 
@@ -387,7 +401,8 @@ def parse_messages(body, limits: Limits, headers: Mapping = {}) -> Parsed:
     messages = _transcript(body.get("messages"), limits, "messages")
     requested, think = _think(body, limits.ctx)
     tools, deferred = _anthropic_tools(body)
-    tool_fields = _tool_fields({"tools": tools}, _anthropic_tool_choice(body.get("tool_choice")), limits)
+    tool_fields = _tool_fields({"tools": tools}, _anthropic_tool_choice(body.get("tool_choice")), limits,
+                               also_named=deferred)
     system = _anthropic_system(body.get("system"))
     msgs = ([{"role": "system", "content": system}] if system else []) + _anthropic_messages(messages, deferred)
     req = ChatRequest(messages=msgs, think=think, **tool_fields,
