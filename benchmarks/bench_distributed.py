@@ -254,7 +254,7 @@ def _worker_cmd(args, out_dir: Path, mode: str) -> list[str]:
             "--seed", str(args.seed)]
 
 
-def _free_ports(n: int) -> int:
+def free_ports(n: int) -> int:
     """The first of ``n`` consecutive loopback ports free right now (mlx.launch gives rank i the
     port start + i: one free port is not enough, the next may be some other process's)."""
     while True:
@@ -320,7 +320,7 @@ def measure(model: Path, mode: str = "pipeline", ranks: int = 2, prompt_tokens: 
         one = _read(out / "one.json", "the one-process run")
         # mlx.launch picks the ports (from --starting-port): a free one, so that two runs at once
         # on one machine do not collide
-        cmd = LAUNCH + ["-n", str(ranks), "--backend", "ring", "--starting-port", str(_free_ports(ranks)), "--"] \
+        cmd = LAUNCH + ["-n", str(ranks), "--backend", "ring", "--starting-port", str(free_ports(ranks)), "--"] \
             + _worker_cmd(args, out, mode)
         r = _run_all(cmd, timeout)
         log = " | ".join((r.stdout + r.stderr).strip().splitlines()[-5:])

@@ -40,28 +40,6 @@ def _env(**extra) -> dict:
     return {k: v for k, v in env.items() if v is not None}  # None: unset
 
 
-def _free_ports(n: int) -> int:
-    """The first of ``n`` consecutive loopback ports free right now."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            first = s.getsockname()[1]
-        if first + n > 65535:
-            continue
-        try:
-            socks = []
-            for p in range(first, first + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return first
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-
-
 def _run(cmd: list[str], timeout: float = 300, **extra) -> subprocess.CompletedProcess:
     """``cmd`` to completion. A launch gets ports of its own (``mlx.launch`` otherwise starts every run
     at the same port, and two runs at once, say a developer's and CI's, connect into each other's
@@ -69,7 +47,7 @@ def _run(cmd: list[str], timeout: float = 300, **extra) -> subprocess.CompletedP
     session), not only the launcher: an orphaned rank would spin on its sockets for ever."""
     if cmd[:len(LAUNCH)] == LAUNCH and "--starting-port" not in cmd:
         n = int(cmd[cmd.index("-n") + 1]) if "-n" in cmd else 1
-        cmd = LAUNCH + ["--starting-port", str(_free_ports(n))] + cmd[len(LAUNCH):]
+        cmd = LAUNCH + ["--starting-port", str(bench_distributed.free_ports(n))] + cmd[len(LAUNCH):]
     return bench_distributed._run_all(cmd, timeout, env=_env(**extra))
 
 
