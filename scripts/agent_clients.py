@@ -69,15 +69,17 @@ QUIET_ENV = {
 
 # -- install (outside the namespace: it needs the registry) ----------------------------------
 
-def install(cache: Path, clients: list[str]) -> dict[str, Path]:
+def binary(cache: Path, client: str) -> Path:
+    return cache / "node_modules" / ".bin" / PACKAGES[client][1]
+
+
+def install(cache: Path, clients: list[str]) -> None:
     cache.mkdir(parents=True, exist_ok=True)
-    missing = [PACKAGES[c][0] for c in clients
-               if not (cache / "node_modules" / ".bin" / PACKAGES[c][1]).exists()]
+    missing = [PACKAGES[c][0] for c in clients if not binary(cache, c).exists()]
     if missing:
         print(f"installing {' '.join(missing)} into {cache} ...", file=sys.stderr)
         subprocess.run(["npm", "install", "--no-fund", "--no-audit", "--silent", *missing],
                        cwd=cache, check=True, timeout=900)
-    return {c: cache / "node_modules" / ".bin" / PACKAGES[c][1] for c in clients}
 
 
 def version(binary: Path) -> str:
@@ -173,8 +175,9 @@ def usage_of(entry: dict) -> tuple[int | None, int | None]:
 
 
 def _generation_requests(entries: list[dict]) -> list[dict]:
-    return [e for e in entries if e["method"] == "POST" and e["path"].split("?")[0] in
-            ("/v1/messages", "/v1/chat/completions", "/v1/responses", "/v1/completions")]
+    from ds4_mlx.frontends.server.parse import API_OF_PATH
+
+    return [e for e in entries if e["method"] == "POST" and e["path"].split("?")[0] in API_OF_PATH]
 
 
 def run_client(name: str, binary: Path, out: Path, port: int, proxy_port: int, cap: int, ctx: int,
@@ -287,7 +290,6 @@ def wait_health(port: int, server: subprocess.Popen, seconds: float = 120) -> No
 def inside(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    bins = {c: Path(args.cache) / "node_modules" / ".bin" / PACKAGES[c][1] for c in args.clients}
     rows = []
     for i, name in enumerate(args.clients):
         port = 18000 + 10 * i
@@ -304,7 +306,7 @@ def inside(args) -> int:
             stdout=server_log, stderr=subprocess.STDOUT, cwd=ROOT)
         try:
             wait_health(port, server)
-            rows.append(run_client(name, bins[name], out, port, port + 1, args.max_tokens, args.ctx,
+            rows.append(run_client(name, binary(Path(args.cache), name), out, port, port + 1, args.max_tokens, args.ctx,
                                    args.turn_timeout))
         finally:
             server.send_signal(signal.SIGTERM)
@@ -326,10 +328,8 @@ def prompt_ids(entry: dict, tok, ctx: int) -> list[int]:
     from ds4_mlx.chat.request import encode_request
     from ds4_mlx.frontends.server import parse
 
-    fn = {"/v1/messages": parse.parse_messages, "/v1/chat/completions": parse.parse_chat,
-          "/v1/responses": parse.parse_responses, "/v1/completions": parse.parse_completion}[
-        entry["path"].split("?")[0]]
-    req = fn(entry["body"], parse.Limits(ctx=ctx), {}).request
+    api = parse.API_OF_PATH[entry["path"].split("?")[0]]
+    req = parse.PARSERS[api](entry["body"], parse.Limits(ctx=ctx), {}).request
     return encode_request(tok, req.messages, req.tools, req.tool_choice, req.think, ctx)
 
 
@@ -420,8 +420,7 @@ def main() -> int:
         from ds4_mlx.frontends.cmd_demo import default_cache_dir, ensure_demo_model
 
         args.model = str(ensure_demo_model(default_cache_dir()))
-    bins = install(Path(args.cache), args.clients)
-    del bins
+    install(Path(args.cache), args.clients)
     out = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="ds4-agents-"))
     if out.exists() and args.keep:
         for name in args.clients:

@@ -17,15 +17,14 @@ from pathlib import Path
 import pytest
 
 from ds4_mlx.frontends.cli import main
-from ds4_mlx.frontends.server import ServerConfig
+from ds4_mlx.frontends.server import ServerConfig, parse
 from ds4_mlx.tokenizer import Tokenizer
 from server_backend import LiveServer, TokenizingBackend, check_stream, http
 
 DATA = Path(__file__).parent / "data" / "agent_requests"
 CLIENTS = ["claude", "codex", "opencode", "pi"]
 CTX = 65536
-API = {"/v1/messages": "messages", "/v1/chat/completions": "chat", "/v1/responses": "responses",
-       "/v1/completions": "completions"}
+API = parse.API_OF_PATH
 
 
 def recorded(client: str) -> list[dict]:

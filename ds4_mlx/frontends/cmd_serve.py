@@ -83,12 +83,6 @@ def _check(args: argparse.Namespace) -> None:
         raise Ds4Error("--max-body-mb and --max-messages must be positive")
     if args.api_key is not None and not args.api_key:
         raise Ds4Error("--api-key must not be empty")
-    if args.trace:
-        try:
-            with open(args.trace, "a", encoding="utf-8"):
-                pass
-        except OSError as exc:
-            raise Ds4Error(f"--trace {args.trace}: {exc.strerror or exc}") from None
     if not os.path.isfile(args.model):
         raise Ds4Error(f"{args.model}: no such model file")
 
@@ -125,15 +119,14 @@ def serve(app, backend, host: str, port: int, log_level: str = "info") -> None:
     _Server(uvicorn_config(app, host, port, log_level, timeout_graceful_shutdown=30)).run()
 
 
-LOOPBACK = ("localhost", "127.0.0.1", "::1")
-
-
 def allowed_hosts(bind: str, extra: list[str]) -> tuple[str, ...] | None:
     """The Host names served: on a loopback bind the loopback names (a page on any site can reach
     a local server; only its Host tells it apart), on a network bind any unless names are given."""
+    from ds4_mlx.frontends.server.app import LOOPBACK_HOSTS
+
     names = tuple(n.strip().lower().strip("[]") for n in extra if n.strip())
-    if bind.strip("[]") in LOOPBACK:
-        return LOOPBACK + names
+    if bind.strip("[]") in LOOPBACK_HOSTS:
+        return LOOPBACK_HOSTS + names
     return (bind.strip("[]").lower(),) + names if names else None
 
 

@@ -24,6 +24,8 @@ from ds4_mlx.chat.template import DEFAULT_CTX, DEFAULT_SYSTEM, encode_chat_promp
 from ds4_mlx.errors import TokenizerError
 from ds4_mlx.frontends.args import CTX, add_think_options, read_text_file
 
+APIS = ("chat", "completions", "messages", "responses")  # the server's parse.PARSERS (loaded in run())
+
 if TYPE_CHECKING:  # the reader (numpy, regex) loads in run(): `ds4-mlx --help` builds every parser
     from ds4_mlx.tokenizer import Tokenizer
 
@@ -38,7 +40,7 @@ def register(subparsers) -> None:
     src.add_argument("--messages", metavar="REQUEST.json",
                      help="a request body (messages, tools, tool_choice, thinking controls; the API "
                           "--api names): print the ids `ds4-mlx serve` would prefill for it")
-    p.add_argument("--api", choices=sorted(API_PATHS), default="chat",
+    p.add_argument("--api", choices=APIS, default="chat",
                    help="--messages: the body's API: chat (OpenAI chat completions, default), "
                         "messages (Anthropic), responses (OpenAI Responses), completions")
     p.add_argument("--chat", action="store_true", help="wrap the text in ds4's CLI chat template")
@@ -67,10 +69,6 @@ def _read_request(path: str):
         raise TokenizerError(f"{path}: not a JSON request body ({str(exc).splitlines()[0]})") from None
 
 
-API_PATHS = {"chat": "/v1/chat/completions", "messages": "/v1/messages", "responses": "/v1/responses",
-             "completions": "/v1/completions"}
-
-
 def tokenize_request(tok: Tokenizer, args: argparse.Namespace) -> list[int]:
     """The server's renderer (one function shared with ``serve``), then its tokenization; an
     Anthropic / Responses / completions body goes through the server's own parser first (the
@@ -87,10 +85,8 @@ def tokenize_request(tok: Tokenizer, args: argparse.Namespace) -> list[int]:
     from ds4_mlx.frontends.server import parse
     from ds4_mlx.frontends.server.http_errors import ApiError
 
-    fn = {"messages": parse.parse_messages, "responses": parse.parse_responses,
-          "completions": parse.parse_completion}[args.api]
     try:
-        req = fn(body, parse.Limits(ctx=args.ctx), {}).request
+        req = parse.PARSERS[args.api](body, parse.Limits(ctx=args.ctx), {}).request
     except ApiError as exc:
         raise TokenizerError(f"{args.messages}: {exc.message}") from None
     mode = resolve_think_mode(think, args.ctx) if think is not None else req.think

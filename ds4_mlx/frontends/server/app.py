@@ -40,6 +40,7 @@ from ds4_mlx.frontends.server.turn import Tick, Turn, new_id
 
 log = logging.getLogger("ds4_mlx.server")
 
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 CREATED = 1767225600  # fixed "created" of the model object, as ds4
 
 
@@ -51,7 +52,7 @@ class ServerConfig:
     cors: tuple[str, ...] = ()  # --cors ORIGIN...: origins allowed to call from a browser ("*": any)
     # --allow-host: the Host header values served (a DNS-rebinding page sends its own name);
     # None: any (a server bound to a network address, whose names are not known here)
-    allowed_hosts: tuple[str, ...] | None = ("localhost", "127.0.0.1", "::1")
+    allowed_hosts: tuple[str, ...] | None = LOOPBACK_HOSTS
     max_body_bytes: int = 16 * 1024 * 1024
     max_json_depth: int = 64
     max_messages: int = 4096

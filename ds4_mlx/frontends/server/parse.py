@@ -524,3 +524,10 @@ def parse_responses(body, limits: Limits, headers: Mapping = {}) -> Parsed:
     req = ChatRequest(messages=msgs, think=think, **tool_fields,
                       **_common(body, limits, ("max_output_tokens", "max_tokens"), "stop", headers))
     return Parsed(req, requested, include_reasoning=include_reasoning)
+
+
+# The four APIs by name (``tokenize --api``), and by the path they are served at.
+PARSERS = {"chat": parse_chat, "completions": parse_completion, "messages": parse_messages,
+           "responses": parse_responses}
+API_OF_PATH = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/messages": "messages",
+               "/v1/responses": "responses"}

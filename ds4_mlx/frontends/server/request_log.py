@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 
+from ds4_mlx.errors import Ds4Error
 from ds4_mlx.frontends.server.turn import TurnResult
 
 log = logging.getLogger("ds4_mlx.server")
@@ -53,8 +54,11 @@ class Trace:
     def __init__(self, path: str) -> None:
         self.path = path
         self._lock = threading.Lock()
-        with open(path, "a", encoding="utf-8"):
-            pass  # fail at start-up, not at the first request, if the file cannot be written
+        try:  # fail at start-up (before the model loads), not at the first request
+            with open(path, "a", encoding="utf-8"):
+                pass
+        except OSError as exc:
+            raise Ds4Error(f"--trace {path}: {exc.strerror or exc}") from None
 
     def write(self, *, rid: str, endpoint: str, prompt_text: str, request, result: TurnResult,
               status: int = 200) -> None:
