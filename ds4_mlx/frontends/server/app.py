@@ -192,16 +192,29 @@ class Server:
             raise ApiError(404, f"unknown model {mid!r}", code="model_not_found")
         return JSONResponse(dict(self.model_object(), id=mid))
 
+    def _state(self) -> tuple[str, str | None]:
+        """(status, reason): "ok"; "unavailable" (worker stopped or stopping); "error" once the
+        model itself failed (non-finite output): a load balancer must take the instance out."""
+        fault = getattr(self.backend, "fault", None)
+        if fault is not None:
+            return "error", fault
+        return ("ok", None) if self.backend.alive else ("unavailable", None)
+
     async def health(self, request: Request) -> Response:
-        ok = self.backend.alive
-        return JSONResponse({"status": "ok" if ok else "unavailable", "model": self.config.model_id,
-                             "queue_depth": self.backend.queue_depth, "busy": self.backend.busy},
-                            status_code=200 if ok else 503)
+        status, reason = self._state()
+        body = {"status": status, "model": self.config.model_id,
+                "queue_depth": self.backend.queue_depth, "busy": self.backend.busy}
+        if reason is not None:
+            body["reason"] = reason
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     async def root(self, request: Request) -> Response:
         """``GET``/``HEAD /``: Claude Code probes the base URL before its first request."""
-        return JSONResponse({"status": "ok" if self.backend.alive else "unavailable",
-                             "model": self.config.model_id})
+        status, reason = self._state()
+        body = {"status": status, "model": self.config.model_id}
+        if reason is not None:
+            body["reason"] = reason
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     async def count_tokens(self, request: Request) -> Response:
         """Anthropic ``POST /v1/messages/count_tokens``: the prompt tokens of a messages body,

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
-from ds4_mlx.errors import Ds4Error
+from ds4_mlx.errors import Ds4Error, NonFiniteError
 from ds4_mlx.frontends.server.events import (
     BackendError,
     ChatRequest,
@@ -118,6 +118,11 @@ class Backend:
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._setup_error: BaseException | None = None
+        # Why the model is no longer trusted (``/health`` then answers 503 with it), or None.
+        # Sticky: weights that produced NaN/Inf once are suspect for every later request, even
+        # one that routes around the bad tensor, and a probe that flapped back to "ok" would
+        # send clients to an instance that fails at random; a restart with a good file clears it.
+        self.fault: str | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -237,13 +242,26 @@ class Backend:
                 job._put(event)
         except BackendError as exc:
             job._put(exc)
+        except NonFiniteError as exc:
+            # Before the generic Ds4Error: NaN/Inf out of the forward pass comes from the model
+            # (its weights), not from anything the client sent, so it is a 500 and the instance
+            # reports itself unhealthy instead of blaming every client with a 400.
+            reason = _one_line(exc)
+            if self.fault is None:
+                log.error("model fault: %s", reason)
+            self.fault = reason
+            job._put(BackendError(500, reason))
         except Ds4Error as exc:  # bad input found by the engine: the client's fault, one line
-            job._put(BackendError(400, str(exc).splitlines()[0] if str(exc) else type(exc).__name__))
+            job._put(BackendError(400, _one_line(exc)))
         except Exception:
             log.exception("generation failed")
             job._put(BackendError(500, "internal error during generation"))
         finally:
             job._put(_END)
+
+
+def _one_line(exc: Exception) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 # -------------------------------------------------------------------------------------------
