@@ -25,9 +25,10 @@ call only ``DiskCache``.
    prompt's in the matched part. Otherwise the hit is refused (``refused`` says why) and the
    token match, or a miss, is used: the effective prompt then *is* the prompt.
 
-   A file the store rejects (damage, truncation) or whose payload the session refuses
-   (``mark_unloadable``) is skipped and the next best one tried; the session is left as it was
-   before the attempt.
+   A file the store rejects (damage, truncation), whose payload the session refuses, or whose
+   stored token list holds an id outside the vocabulary (valid checksums do not make its ids
+   valid) is marked (``mark_unloadable``: logged once, kept on disk, never offered again by this
+   process) and the next best one tried; the session is left as it was before the attempt.
 3. On a miss, a fresh prompt gets ds4's *cold* save: sync to ``cold_store_len``, store, then sync
    the rest.
 
@@ -159,6 +160,10 @@ class DiskCache:
         self._assistant_id = engine.assistant_id
         tok = self._tokenizer
         self._control_ids = frozenset(tok.special_ids.values()) | {a.id for a in tok.added_tokens}
+        # Ids both the tokenizer (text layout) and the model (embedding) accept. A file's stored
+        # token list is checked against it before any use: its checksums prove only that the
+        # bytes are as written, and an id outside it would fail every request with this prefix.
+        self._n_vocab = min(tok.vocab_size, engine.config.n_vocab)
         self._step = continued_step(options)
         self._last_saved: weakref.WeakKeyDictionary[Session, int] = weakref.WeakKeyDictionary()
         # tool_memory(key_text) -> {tool call id: exact DSML}: the replays a saved checkpoint's
@@ -291,13 +296,28 @@ class DiskCache:
         data = read_trailer_tokens(entry)
         if data is None:
             return 0, "its stored tokens cannot be read"
-        own = self._layout(np.frombuffer(data, dtype="<u4").tolist())
+        ids = np.frombuffer(data, dtype="<u4")
+        bad = self._out_of_vocab(ids)
+        if bad is not None:  # the file's fault, not this prompt's: never offer it again
+            self.store.mark_unloadable(entry, bad)
+            return 0, bad
+        own = self._layout(ids.tolist())
         if own[0] != text[:n]:
             return 0, "its tokens do not spell its key text (a visible-transcript key)"
         if own[2] != [c for c in controls if c[0] < n]:
             return 0, ("its control tokens differ from the prompt's in the matched text (typed "
                        "marker characters are not markers)")
         return cut + 1, None
+
+    def _out_of_vocab(self, ids) -> str | None:
+        """Why a stored token list cannot be used here (its first id outside the vocabulary), or None."""
+        arr = np.asarray(ids, dtype=np.int64)
+        bad = np.flatnonzero((arr < 0) | (arr >= self._n_vocab))
+        if not bad.size:
+            return None
+        i = int(bad[0])
+        return (f"stored token id {int(arr[i])} at index {i} is outside the vocabulary "
+                f"0..{self._n_vocab - 1}")
 
     def _load(self, session: Session, entry, refused: list[str]) -> LoadedEntry | None:
         """Load ``entry`` into the session; on any refusal put the session back and return None."""
@@ -307,14 +327,15 @@ class DiskCache:
             refused.append(f"{entry.path}: {rej.reason}")
             return None
         before = session.snapshot()
-        why = None
-        try:
-            session.load_payload(hit.payload)
-        except PayloadError as exc:
-            why = str(exc)
-        else:
-            if session.tokens != hit.tokens:
-                why = "payload tokens differ from the file's token list"
+        why = self._out_of_vocab(hit.tokens)  # named here rather than as a payload mismatch
+        if why is None:
+            try:
+                session.load_payload(hit.payload)
+            except PayloadError as exc:
+                why = str(exc)
+            else:
+                if session.tokens != hit.tokens:
+                    why = "payload tokens differ from the file's token list"
         if why is not None:
             self.store.mark_unloadable(hit.entry, why)
             refused.append(f"{entry.path}: {why}")

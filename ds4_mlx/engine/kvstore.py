@@ -340,7 +340,8 @@ class KVStore:
             return None
 
     def mark_unloadable(self, entry: Entry, reason: str) -> None:
-        """Record that the session loader refused this entry's payload: lookups skip it from now on.
+        """Record that the caller cannot use this entry (its payload refused by the session
+        loader, its stored token ids outside the vocabulary): lookups skip it from now on.
 
         ds4 deletes such a file; here it stays (it may suit another configuration) and is logged.
         """
@@ -350,7 +351,7 @@ class KVStore:
             except OSError:
                 return
             self._failed[entry.name] = (st.st_size, st.st_mtime_ns)
-            logger.warning("kv cache payload of %s refused by the loader: %s", entry.path, reason)
+            logger.warning("kv cache refusing %s (kept on disk, not offered again): %s", entry.path, reason)
 
     def _touch(self, entry: Entry) -> None:
         """hits + 1 and last used = now, by one 48-byte write (header crc included)."""
