@@ -9,7 +9,9 @@ and UTF-8 are still checked while the file is opened.
 Every structural problem raises ``GGUFError`` naming the file and the byte offset where parsing
 stopped; the parser bounds every length by the bytes actually left in the file before allocating
 or looping, so a corrupt count can never make it allocate or iterate absurdly: the work done on any
-input is linear in the file's header size.
+input is linear in the file's header size. The metadata key and tensor counts are also capped
+(``MAX_METADATA_KEYS``, ``MAX_TENSORS``), since linear is not enough when each 13-byte key costs
+hundreds of bytes of Python objects.
 """
 
 from __future__ import annotations
@@ -55,6 +57,17 @@ KNOWN_ARRAY_LIMITS = {
 # Arrays of arrays become one Python list per element (~60 bytes for a 12-byte empty array in the
 # file); no GGUF a model uses has them, so their element count is capped.
 MAX_NESTED_ARRAYS = 1 << 16
+
+# Caps on the header's two counts, refused from the header alone before a key or tensor is read.
+# Bounding a count by the bytes left (below) is not enough: a key can be 13 bytes, and each one read
+# costs ~400 bytes of Python objects and a few microseconds, so a 65 MB header declaring and holding
+# 5 M keys took 90 s and 2.2 GB before being refused. Real files are far below both caps: the DS4
+# Flash GGUFs hold ~60 keys (the generator in ds4_mlx/synth.py writes 52) and 1,331 tensors (43
+# layers); the tensor cap also admits the largest model the config accepts (block_count 1024 x at
+# most 35 tensors a layer + 6 global ones = 35,846). At the caps, parsing costs under a second and
+# a few tens of MB.
+MAX_METADATA_KEYS = 1 << 16
+MAX_TENSORS = 1 << 16
 
 # Smallest possible encodings, used to reject impossible counts before looping over them:
 # a KV entry is key length (8) + value type (4) + at least one value byte; a tensor info is
@@ -497,6 +510,14 @@ class GGUFFile:
         if need_kv + need_ti > remaining:
             cur.fail(f"metadata count {n_kv} and tensor count {n_tensors} need at least {need_kv + need_ti} bytes "
                      f"but the file has only {remaining} left (corrupt counts, or the file is truncated)", 8)
+        # After the byte bounds above, so a count no file could hold keeps its "impossible" message;
+        # both before the first key is read (see MAX_METADATA_KEYS for why the caps exist).
+        if n_kv > MAX_METADATA_KEYS:
+            cur.fail(f"metadata_kv_count {n_kv:,} is more than the {MAX_METADATA_KEYS:,} metadata keys allowed "
+                     f"(a DS4 Flash GGUF holds about 60; corrupt or hostile header)", 16)
+        if n_tensors > MAX_TENSORS:
+            cur.fail(f"tensor_count {n_tensors:,} is more than the {MAX_TENSORS:,} tensors allowed "
+                     f"(a DS4 Flash GGUF holds 1,331; corrupt or hostile header)", 8)
         self.n_kv = n_kv
         self.n_tensors = n_tensors
 
