@@ -63,7 +63,7 @@ class Target:
     approx_gb: float  # decimal GB on disk, as ds4's script states it; the hub's metadata has the exact size
     hardware: str
     recommended: bool
-    kind: str  # "model" (a full DS4 Flash GGUF) or "mtp" (the optional speculative-decoding component)
+    kind: str  # "model" (a full DS4 Flash GGUF), or a drafter: "mtp" (the preview's), "dspark" (0731's)
     about: str
 
     @property
@@ -71,24 +71,49 @@ class Target:
         return f"{HF_PREFIX}{self.repo}/{self.filename}"
 
 
-# ds4's download_model.sh, in the order it lists them (the preferred imatrix files first).
+# ds4's download_model.sh (its DeepSeek V4 Flash rows, Sep 2026), in the order it lists them: the Flash
+# 0731 files first, then the preview (May 2026) files under names that say they are legacy. Sizes are
+# the script's "about N GB"; the hub's metadata has the exact byte counts (checked on download).
+_F0731 = "DeepSeek-V4-Flash-{}-0731.gguf"
+_PREVIEW = "DeepSeek-V4-Flash-{}.gguf"
+_Q2 = "IQ2XXS-w2Q2K-AProjQ8-SExpQ8-OutQ8-chat-v2"
+_Q4 = "Q4KExperts-F16HC-F16Compressor-F16Indexer-Q8Attn-Q8Shared-Q8Out-chat-v2"
+_MXFP4 = "MXFP4Experts-F16HC-F16Compressor-F16Indexer-Q8Attn-Q8Shared-Q8Out-chat-v2"
+_Q2Q4 = "Layers37-42Q4KExperts-OtherExpertLayersIQ2XXSGateUp-Q2KDown-AProjQ8-SExpQ8-OutQ8-chat-v2"
 TARGETS: dict[str, Target] = {t.name: t for t in (
-    Target("q2-imatrix", DS4_REPO, "DeepSeek-V4-Flash-IQ2XXS-w2Q2K-AProjQ8-SExpQ8-OutQ8-chat-v2-imatrix.gguf",
-           81, "96 or 128 GB RAM", True, "model", "2-bit routed experts, imatrix (preferred)"),
-    Target("q4-imatrix", DS4_REPO,
-           "DeepSeek-V4-Flash-Q4KExperts-F16HC-F16Compressor-F16Indexer-Q8Attn-Q8Shared-Q8Out-chat-v2-imatrix.gguf",
-           153, "256 GB RAM or more", True, "model", "4-bit routed experts, imatrix (preferred)"),
-    Target("q2", DS4_REPO, "DeepSeek-V4-Flash-IQ2XXS-w2Q2K-AProjQ8-SExpQ8-OutQ8-chat-v2.gguf",
-           81, "96 or 128 GB RAM", False, "model", "2-bit routed experts, legacy (prefer q2-imatrix)"),
-    Target("q4", DS4_REPO,
-           "DeepSeek-V4-Flash-Q4KExperts-F16HC-F16Compressor-F16Indexer-Q8Attn-Q8Shared-Q8Out-chat-v2.gguf",
-           153, "256 GB RAM or more", False, "model", "4-bit routed experts, legacy (prefer q4-imatrix)"),
-    Target("mtp", DS4_REPO, "DeepSeek-V4-Flash-MTP-Q4K-Q8_0-F32.gguf",
-           3.5, "any (with a q2/q4 model)", False, "mtp", "optional speculative-decoding (MTP) component"),
+    Target("ds4f-q2", DS4_REPO, _F0731.format(f"{_Q2}-imatrix"), 81, "96 or 128 GB RAM", True, "model",
+           "Flash 0731, IQ2_XXS gate/up + Q2_K down routed experts (ds4's default)"),
+    Target("ds4f-q2-q4", DS4_REPO, _F0731.format(f"{_Q2Q4}-imatrix-fixed"), 98, "128 GB RAM", True, "model",
+           "Flash 0731, q2 routed experts with the last six layers (37-42) at Q4_K"),
+    Target("ds4f-q4", DS4_REPO, _F0731.format(f"{_Q4}-imatrix"), 153, "256 GB RAM or more", True, "model",
+           "Flash 0731, Q4_K routed experts"),
+    Target("ds4f-mxfp4", DS4_REPO, _F0731.format(f"{_MXFP4}-mxfp4"), 156, "256 GB RAM or more", True, "model",
+           "Flash 0731, DeepSeek's released MXFP4 routed experts (not requantized)"),
+    Target("ds4f-dspark", DS4_REPO, "DeepSeek-V4-Flash-DSpark-support-0731.gguf", 6,
+           "any (with a Flash 0731 model)", False, "dspark",
+           "optional DSpark speculative-decoding drafter for Flash 0731"),
+    Target("preview-q2-imatrix", DS4_REPO, _PREVIEW.format(f"{_Q2}-imatrix"), 81, "96 or 128 GB RAM", False,
+           "model", "legacy: Flash preview (May 2026), q2 routed experts"),
+    Target("preview-q2-q4-imatrix", DS4_REPO, _PREVIEW.format(f"{_Q2Q4}-imatrix-fixed"), 98, "128 GB RAM",
+           False, "model", "legacy: Flash preview, q2 with layers 37-42 at Q4_K"),
+    Target("preview-q4-imatrix", DS4_REPO, _PREVIEW.format(f"{_Q4}-imatrix"), 153, "256 GB RAM or more", False,
+           "model", "legacy: Flash preview, Q4_K routed experts"),
+    Target("preview-q2", DS4_REPO, _PREVIEW.format(_Q2), 81, "96 or 128 GB RAM", False, "model",
+           "legacy: Flash preview, q2 without imatrix"),
+    Target("preview-q4", DS4_REPO, _PREVIEW.format(_Q4), 153, "256 GB RAM or more", False, "model",
+           "legacy: Flash preview, Q4_K without imatrix"),
+    Target("preview-mtp", DS4_REPO, "DeepSeek-V4-Flash-MTP-Q4K-Q8_0-F32.gguf", 3.5,
+           "any (with a preview model)", False, "mtp", "legacy: the preview's one-step MTP drafter"),
 )}
 
-# ds4's script recommends the imatrix files and q2 is the one that fits the most machines (96-128 GB).
-DEFAULT_TARGET = "q2-imatrix"
+# The names this table had before the 0731 files (scripts and notebooks written against them keep
+# working; they name the same preview files as before, never silently a different checkpoint).
+ALIASES: dict[str, str] = {"q2-imatrix": "preview-q2-imatrix", "q4-imatrix": "preview-q4-imatrix",
+                           "q2": "preview-q2", "q4": "preview-q4", "mtp": "preview-mtp"}
+
+# ds4's default target since August (its script and docs/MODELS.md): the 0731 q2, which fits the most
+# machines (96-128 GB).
+DEFAULT_TARGET = "ds4f-q2"
 
 _MTP_MARKER_TENSOR = "mtp.0.e_proj.weight"  # one of the tensors ds4 requires in an MTP file
 _SEGMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -125,10 +150,11 @@ class DownloadInterrupted(KeyboardInterrupt):
 
 
 def parse_target(text: str) -> Target:
-    """A table name (``q2-imatrix``) or ``owner/repo/path/file.gguf`` (an ``hf:`` prefix is allowed)."""
+    """A table name (``ds4f-q2``, or an old name from ``ALIASES``) or ``owner/repo/path/file.gguf`` (an ``hf:`` prefix is allowed)."""
     if not isinstance(text, str):
         raise HubError(f"model name must be a string, not {type(text).__name__}")
     raw = text[len(HF_PREFIX):] if text.startswith(HF_PREFIX) else text
+    raw = ALIASES.get(raw, raw)
     if raw in TARGETS:
         return TARGETS[raw]
     parts = raw.split("/")
@@ -149,11 +175,14 @@ def parse_target(text: str) -> Target:
 
 def resolve_model(spec: str, *, dir: str | os.PathLike | None = None, token: str | None = None,
                   progress: bool = True) -> Path:
-    """Local path of an ``hf:owner/repo/file.gguf`` or ``hf:q2-imatrix`` model: the file already on
+    """Local path of an ``hf:owner/repo/file.gguf`` or ``hf:ds4f-q2`` model: the file already on
     disk (in ``dir`` or the HF cache), else downloaded there first. Raises HubError."""
     if not isinstance(spec, str) or not spec.startswith(HF_PREFIX):
-        raise HubError(f"{spec!r} is not a hub model spec (expected 'hf:owner/repo/file.gguf' or 'hf:q2-imatrix')")
-    return download(spec, dir=dir, token=token, progress=progress).path
+        raise HubError(f"{spec!r} is not a hub model spec (expected 'hf:owner/repo/file.gguf' or 'hf:ds4f-q2')")
+    t = parse_target(spec)
+    if t.kind != "model":  # before 6 GB are fetched only to fail as "not a DS4 Flash GGUF"
+        raise HubError(f"{spec}: {t.name} is a speculative-decoding drafter ({t.kind}), not a model to load")
+    return download(t, dir=dir, token=token, progress=progress).path
 
 
 # -- download -------------------------------------------------------------------------------------

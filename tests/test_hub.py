@@ -167,15 +167,57 @@ def _one_error_line(err: str) -> str:
 # -- the table and names ---------------------------------------------------------------------------
 
 
-def test_table_is_ds4s_five_files():
-    assert list(hub.TARGETS) == ["q2-imatrix", "q4-imatrix", "q2", "q4", "mtp"]
+# ds4's download_model.sh (Sep 2026), its DeepSeek V4 Flash targets, with the exact file names.
+DS4_0731_FILES = {
+    "ds4f-q2": "DeepSeek-V4-Flash-IQ2XXS-w2Q2K-AProjQ8-SExpQ8-OutQ8-chat-v2-imatrix-0731.gguf",
+    "ds4f-q2-q4": "DeepSeek-V4-Flash-Layers37-42Q4KExperts-OtherExpertLayersIQ2XXSGateUp-Q2KDown-AProjQ8-SExpQ8-"
+                  "OutQ8-chat-v2-imatrix-fixed-0731.gguf",
+    "ds4f-q4": "DeepSeek-V4-Flash-Q4KExperts-F16HC-F16Compressor-F16Indexer-Q8Attn-Q8Shared-Q8Out-chat-v2-imatrix-"
+               "0731.gguf",
+    "ds4f-mxfp4": "DeepSeek-V4-Flash-MXFP4Experts-F16HC-F16Compressor-F16Indexer-Q8Attn-Q8Shared-Q8Out-chat-v2-"
+                  "mxfp4-0731.gguf",
+    "ds4f-dspark": "DeepSeek-V4-Flash-DSpark-support-0731.gguf",
+}
+# ds4's May script (the preview checkpoint), kept as legacy names.
+DS4_PREVIEW_FILES = {
+    "preview-q2-imatrix": "DeepSeek-V4-Flash-IQ2XXS-w2Q2K-AProjQ8-SExpQ8-OutQ8-chat-v2-imatrix.gguf",
+    "preview-q2-q4-imatrix": "DeepSeek-V4-Flash-Layers37-42Q4KExperts-OtherExpertLayersIQ2XXSGateUp-Q2KDown-"
+                             "AProjQ8-SExpQ8-OutQ8-chat-v2-imatrix-fixed.gguf",
+    "preview-q4-imatrix": "DeepSeek-V4-Flash-Q4KExperts-F16HC-F16Compressor-F16Indexer-Q8Attn-Q8Shared-Q8Out-"
+                          "chat-v2-imatrix.gguf",
+    "preview-q2": "DeepSeek-V4-Flash-IQ2XXS-w2Q2K-AProjQ8-SExpQ8-OutQ8-chat-v2.gguf",
+    "preview-q4": "DeepSeek-V4-Flash-Q4KExperts-F16HC-F16Compressor-F16Indexer-Q8Attn-Q8Shared-Q8Out-chat-v2.gguf",
+    "preview-mtp": "DeepSeek-V4-Flash-MTP-Q4K-Q8_0-F32.gguf",
+}
+
+
+def test_table_is_ds4s_current_targets_then_the_legacy_preview_files():
+    assert {n: t.filename for n, t in hub.TARGETS.items()} == {**DS4_0731_FILES, **DS4_PREVIEW_FILES}
+    assert list(hub.TARGETS)[:5] == list(DS4_0731_FILES)  # ds4's order, the current files first
     assert {t.repo for t in hub.TARGETS.values()} == {"antirez/deepseek-v4-gguf"}
-    assert all(t.filename.endswith(".gguf") for t in hub.TARGETS.values())
-    assert [t.name for t in hub.TARGETS.values() if t.recommended] == ["q2-imatrix", "q4-imatrix"]
-    assert hub.DEFAULT_TARGET in hub.TARGETS
-    assert hub.TARGETS["mtp"].kind == "mtp"
+    assert hub.DEFAULT_TARGET == "ds4f-q2"
+    assert [t.name for t in hub.TARGETS.values() if t.recommended] == ["ds4f-q2", "ds4f-q2-q4", "ds4f-q4",
+                                                                         "ds4f-mxfp4"]
+    assert all(t.about.startswith("legacy") for n, t in hub.TARGETS.items() if n.startswith("preview-"))
+    assert {n: t.kind for n, t in hub.TARGETS.items() if t.kind != "model"} == {"ds4f-dspark": "dspark",
+                                                                                "preview-mtp": "mtp"}
     # A table file named in full keeps its kind (the MTP file must not be checked as a full model).
-    assert hub.parse_target(hub.TARGETS["mtp"].spec) is hub.TARGETS["mtp"]
+    assert hub.parse_target(hub.TARGETS["preview-mtp"].spec) is hub.TARGETS["preview-mtp"]
+
+
+@pytest.mark.parametrize("old, new", [("q2-imatrix", "preview-q2-imatrix"), ("q4-imatrix", "preview-q4-imatrix"),
+                                      ("q2", "preview-q2"), ("q4", "preview-q4"), ("mtp", "preview-mtp")])
+def test_old_names_still_name_the_same_preview_files(old, new):
+    # Scripts written against the old table must get the file they always got, not a new checkpoint.
+    assert hub.parse_target(old) is hub.TARGETS[new]
+    assert hub.parse_target("hf:" + old) is hub.TARGETS[new]
+
+
+@pytest.mark.parametrize("name", ["ds4f-dspark", "preview-mtp", "mtp"])
+def test_a_drafter_is_refused_as_a_model_before_any_download(name, monkeypatch):
+    monkeypatch.setattr(hub, "download", lambda *a, **k: pytest.fail("nothing may be fetched"))
+    with pytest.raises(HubError, match="drafter .* not a model"):
+        hub.resolve_model("hf:" + name)
 
 
 @pytest.mark.parametrize("spec", [
@@ -219,7 +261,7 @@ def test_cli_offline_or_unreachable_is_one_line(tmp_path, env_extra, expect):
     line = _one_error_line(p.stderr)
     assert expect in line
     assert p.stdout == ""
-    assert not (d / hub.TARGETS["q2"].filename).exists()
+    assert not (d / hub.parse_target("q2").filename).exists()
 
 
 # -- downloads from the fake hub -------------------------------------------------------------------
@@ -300,10 +342,10 @@ def test_download_that_is_not_a_ds4_gguf_is_reported(fake_hub, tmp_path):
 
 def test_mtp_target_is_checked_as_an_mtp_file(fake_hub, small_bytes, tmp_path, monkeypatch):
     # A full model is not an MTP component: the MTP check must look for MTP tensors, not a layout.
-    mtp = hub.TARGETS["mtp"]
+    mtp = hub.TARGETS["preview-mtp"]
     fake_hub.files[(mtp.repo, mtp.filename)] = small_bytes
     with pytest.raises(HubError, match="not a DS4 MTP component"):
-        hub.download("mtp", dir=tmp_path, progress=False)
+        hub.download("preview-mtp", dir=tmp_path, progress=False)
 
 
 # -- failures with their own lines -----------------------------------------------------------------
@@ -407,15 +449,18 @@ def _cut_run(fake_hub, tmp_path, data: bytes, name="small.gguf", **kw) -> int:
     return len(data) // 3
 
 
-def test_cut_transfer_resumes_in_the_next_run(fake_hub, small_bytes, tmp_path):
-    fake_hub.files[(REPO, "small.gguf")] = small_bytes
+@pytest.mark.parametrize("name", [f"{REPO}/small.gguf", "ds4f-q2"])
+def test_cut_transfer_resumes_in_the_next_run(fake_hub, small_bytes, tmp_path, name):
+    # "ds4f-q2": the default 0731 target by its table name, resumed under its exact hub file name.
+    t = hub.parse_target(name)
+    fake_hub.files[(t.repo, t.filename)] = small_bytes
     fake_hub.drop_first_get_at = len(small_bytes) // 3
     fake_hub.after_drop_status = 500
-    cmd, env = _download_cmd([f"{REPO}/small.gguf", "--dir", str(tmp_path)], fake_hub.url, tmp_path)
+    cmd, env = _download_cmd([name, "--dir", str(tmp_path)], fake_hub.url, tmp_path)
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and p.stdout == ""
     assert "HTTP 500" in _one_error_line(p.stderr)
-    final = tmp_path / "small.gguf"
+    final = tmp_path / t.filename
     part, sidecar = _part(final)
     assert not final.exists()
     kept = part.stat().st_size
@@ -429,7 +474,7 @@ def test_cut_transfer_resumes_in_the_next_run(fake_hub, small_bytes, tmp_path):
     fake_hub.log.clear()
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
-    assert fake_hub.gets("small.gguf") == [f"bytes={kept}-"]  # continued, not restarted
+    assert fake_hub.gets(t.filename) == [f"bytes={kept}-"]  # continued, not restarted
     assert final.read_bytes() == small_bytes
     assert not part.exists() and not sidecar.exists()
     assert f"checked: sha256 matches the hub's ({hashlib.sha256(small_bytes).hexdigest()})" in p.stdout

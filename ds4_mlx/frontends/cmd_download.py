@@ -1,9 +1,11 @@
 """`ds4-mlx download [TARGET] [--dir D] [--token T] [--list]`: fetch one of ds4's GGUFs from the hub.
 
 TARGET is one of ds4's published files (`--list` shows them with sizes and the hardware each
-needs) or any `owner/repo/file.gguf`. The default is q2-imatrix: ds4's script marks the imatrix
-files as preferred, and the 2-bit one runs on 96-128 GB machines, the widest audience; machines
-with 256 GB or more should ask for q4-imatrix.
+needs) or any `owner/repo/file.gguf`. The default is ds4f-q2, ds4's default since August: the
+DeepSeek V4 Flash 0731 checkpoint with 2-bit routed experts, which runs on 96-128 GB machines, the
+widest audience; machines with 256 GB or more can take ds4f-q4 or ds4f-mxfp4. The May preview
+checkpoint's files stay available as preview-* (the old names q2-imatrix, q4-imatrix, q2, q4 and
+mtp still name them).
 
 Without --dir the file goes to the Hugging Face cache (HF_HUB_CACHE, shared with every hub client);
 a finished file is never fetched again. An interrupted download (Ctrl-C, a dropped connection)
@@ -20,6 +22,8 @@ import argparse
 import sys
 
 from ds4_mlx.hub import DEFAULT_TARGET, TARGETS, DownloadInterrupted, download
+
+DRAFTER_KINDS = {"mtp": "The preview's MTP head", "dspark": "The 0731 DSpark file"}
 
 
 def register(subparsers) -> None:
@@ -55,8 +59,8 @@ def run(args: argparse.Namespace) -> int:
     if result.integrity:
         out.write(f"checked: {result.integrity}\n")
     out.write(f"verified: {result.check}\n")
-    if t.kind == "mtp":
-        out.write("MTP is an optional speculative-decoding component for the q2/q4 models; "
+    if t.kind in DRAFTER_KINDS:
+        out.write(f"{DRAFTER_KINDS[t.kind]} is an optional speculative-decoding drafter; "
                   "ds4-mlx does not use it yet.\n")
     else:
         out.write(f'next: ds4-mlx generate -m {_quote(str(result.path))} -p "Hello"\n')
