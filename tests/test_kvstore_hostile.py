@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import secrets
 import subprocess
 import sys
 import textwrap
@@ -273,3 +274,60 @@ time.sleep(60)
     assert sorted(p.name for p in tmp_path.glob("*.kv")) == before
     store.store(toks(600, 3), "after", bytes(FILE_BYTES), "cold")  # the lock is free again
     assert len(list(tmp_path.glob("*.kv"))) == len(before) + 1
+
+
+# -- links planted at the temp and final names (#26 item 8) ------------------------------------------
+
+
+@pytest.mark.parametrize("outside_exists", [True, False])
+def test_planted_symlinks_are_never_written_through(tmp_path, monkeypatch, outside_exists):
+    """Whoever can write the cache directory plants links at every temp name a save could pick
+    (the old ``<name>.kv.tmp.<pid>``, the first random name the writer will draw) and at the
+    final name: the save writes none of the files they point to, creates nothing outside, and
+    its checkpoint loads."""
+    d = tmp_path / "kv"
+    d.mkdir()
+    store = make_store(d)
+    text = "a key text whose file name anyone can compute"
+    name = kvstore.key_for_text(text) + ".kv"
+    victims = [tmp_path / f"victim{i}" for i in range(4)]
+    if outside_exists:
+        for i, v in enumerate(victims):
+            v.write_bytes(f"precious {i}\n".encode())
+    draws = iter(["0" * 16, "1" * 16])  # the writer's random suffixes, the first one planted
+    monkeypatch.setattr(secrets, "token_hex", lambda n: next(draws))
+    os.symlink(victims[0], d / f"{name}.tmp.{os.getpid()}")
+    os.symlink(victims[1], d / f"{name}.tmp.{os.getpid()}.{'0' * 16}")
+    os.symlink(victims[2], d / f"{name}.tmp")
+    os.symlink(victims[3], d / name)
+    tokens = toks(600)
+    entry = store.store(tokens, text, bytes(range(256)) * 8, "cold")
+    assert entry is not None and entry.path == d / name
+    for i, v in enumerate(victims):  # byte-identical, or still absent
+        assert v.read_bytes() == f"precious {i}\n".encode() if outside_exists else not v.exists()
+    assert not (d / name).is_symlink()  # the rename replaced the link itself
+    assert (d / f"{name}.tmp.{os.getpid()}").is_symlink()  # someone else's name, left alone
+    got = store.restore(tokens=tokens)
+    assert got is not None and bytes(got.payload) == bytes(range(256)) * 8 and got.tokens == tokens
+    assert not [n for n in os.listdir(d) if ".tmp." in n and not (d / n).is_symlink()]
+
+
+def test_temp_file_is_private_and_unique_per_writer(tmp_path, monkeypatch):
+    """The temp file is created 0600 under a name no other writer (of this pid or any) draws."""
+    store = make_store(tmp_path)
+    seen = []
+    real = kvstore.os.replace
+
+    def spy(src, dst):
+        st = os.lstat(src)
+        seen.append((Path(src).name, st.st_mode & 0o777))
+        return real(src, dst)
+
+    monkeypatch.setattr(kvstore.os, "replace", spy)
+    store.store(toks(600, 1), "first", bytes(100), "cold")
+    store.store(toks(600, 2), "second", bytes(100), "cold")
+    assert [m for _, m in seen] == [0o600, 0o600]
+    pid = str(os.getpid())
+    suffixes = [n.rsplit(".tmp.", 1)[1].split(".") for n, _ in seen]
+    assert all(s[0] == pid and len(s) == 2 and len(s[1]) == 16 for s in suffixes)
+    assert suffixes[0][1] != suffixes[1][1]

@@ -17,8 +17,9 @@ sequence that is a prefix of the given tokens, compared by token key; ties, most
 ``store`` always takes both tokens and text; a caller without a renderer passes the tokenizer's
 decoded bytes of the tokens.
 
-Atomic writes: the file is written as ``<name>.kv.tmp.<pid>`` in the same directory, fsynced,
-renamed over ``<name>.kv`` and the directory fsynced. A killed writer leaves only a temp file,
+Atomic writes: the file is written as ``<name>.kv.tmp.<pid>.<16 random hex>`` in the same
+directory (created exclusively, never through a link, mode 0600), fsynced, renamed over
+``<name>.kv`` and the directory fsynced. A killed writer leaves only a temp file,
 which is never listed, and which the next ``KVStore`` open removes once its process is gone. Room
 is made *before* writing (evicting by score; ds4 evicts right after the rename, protecting the new
 file, which picks the same victims: the file about to be written already counts as the newest
@@ -50,6 +51,7 @@ import errno
 import hashlib
 import logging
 import os
+import secrets
 import struct
 import threading
 import time
@@ -113,6 +115,8 @@ from ds4_mlx.engine.kvstore_scan import (
 from ds4_mlx.errors import KVStoreError
 
 logger = logging.getLogger("ds4_mlx.kvstore")
+
+_TEMP_ATTEMPTS = 8  # fresh random temp names tried before a save gives up (one collides ~never)
 
 
 def _payload_views(payload) -> list[memoryview]:
@@ -498,11 +502,40 @@ class KVStore:
             raise KVStoreError(f"{path}: cannot remove {why}: {exc.strerror}") from None
         logger.info("kv cache removed %s %s", path, why)
 
+    @staticmethod
+    def _create_temp(path: Path) -> tuple[Path, int]:
+        """A new temp file beside ``path``, ``(its path, write fd)``.
+
+        Whoever can write the directory can plant a link at any name a writer would predict
+        (``<name>.kv.tmp.<pid>`` was one); a plain open follows it and truncates, or creates, a
+        file elsewhere. So the name carries a random part as well as the pid (the stale-temp
+        clean-up reads the pid), and O_CREAT|O_EXCL|O_NOFOLLOW makes the open fail on anything
+        already there, link or not, instead of writing through it; a taken name is skipped.
+        Mode 0600: a checkpoint holds the conversation it was made from.
+        """
+        flags = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        for _ in range(_TEMP_ATTEMPTS):
+            tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}.{secrets.token_hex(8)}")
+            try:
+                return tmp, os.open(tmp, flags, 0o600)
+            except FileExistsError:
+                logger.warning("kv cache: %s already exists (not ours); trying another temp name", tmp)
+        raise KVStoreError(f"{path}: write failed: {_TEMP_ATTEMPTS} fresh temp names were all "
+                           f"taken in {path.parent} (is something planting files there?)")
+
     def _write_atomic(self, path: Path, header: bytes, pieces: list) -> None:
-        """header + pieces + crc32(pieces) into a temp file, fsync, rename over ``path``, fsync dir."""
-        tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
+        """header + pieces + crc32(pieces) into a temp file, fsync, rename over ``path``, fsync dir.
+
+        The rename replaces whatever ``path`` is, a planted link included, as a name: the file a
+        link points to is never opened, so it is left as it was.
+        """
         try:
-            with open(tmp, "wb") as f:
+            tmp, fd = self._create_temp(path)
+        except OSError as exc:  # nothing was created, so nothing to remove
+            code = errno.errorcode.get(exc.errno or 0, "")
+            raise KVStoreError(f"{path}: write failed: {exc.strerror or exc} {code}".rstrip()) from None
+        try:
+            with os.fdopen(fd, "wb") as f:
                 f.write(header)
                 crc = 0
                 for piece in pieces:

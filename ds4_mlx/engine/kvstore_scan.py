@@ -4,7 +4,7 @@ A listing applies the file format's cheap checks (header and trailer) to every `
 name; a file that fails them is listed as invalid (it still occupies the budget), and anything
 that is not a regular file (a FIFO, link or directory named like an entry) is skipped by
 ``lstat`` before any open, so it can neither hang a scan nor be deleted. Temp files
-``<name>.kv.tmp.<pid>`` are never listed as entries; ``clean_stale_temps`` removes those whose
+``<name>.kv.tmp.<pid>.<random>`` are never listed as entries; ``clean_stale_temps`` removes those whose
 writer is gone. ``directory_lock`` is the one lock every writer takes around "make room, then
 write".
 """
@@ -35,7 +35,8 @@ from ds4_mlx.errors import KVStoreError
 
 logger = logging.getLogger("ds4_mlx.kvstore")
 
-_TEMP_RE = re.compile(r"^[0-9a-fA-F]{40}\.kv\.tmp\.(\d+)$")
+# <name>.kv.tmp.<pid>.<random>; the pid-only form is what older writers left behind
+_TEMP_RE = re.compile(r"^[0-9a-fA-F]{40}\.kv\.tmp\.(\d+)(?:\.[0-9a-f]{16})?$")
 STALE_TEMP_SECONDS = 24 * 60 * 60  # a temp file this old is removed even if its pid is alive (reused)
 LOCK_NAME = ".ds4-mlx-kv.lock"  # flock'd around evict + write; matches neither name pattern
 
@@ -63,7 +64,8 @@ class DirScan:
 
 
 def scan_dir(directory: str | os.PathLike) -> DirScan:
-    """Every ``<40 hex>.kv`` file (cheap checks only) and every ``.kv.tmp.<pid>`` temp, by name."""
+    """Every ``<40 hex>.kv`` file (cheap checks only) and every ``.kv.tmp.<pid>[.<random>]``
+    temp, by name."""
     directory = Path(directory)
     scan = DirScan()
     try:
