@@ -258,3 +258,88 @@ def test_validate_layout_reports_first_problem_in_binding_order(small_model_no_t
                        replace={"blk.0.attn_norm.weight": (np.ones(cfg.n_embd, np.float16), QT.F16)})
     with GGUFFile(out) as f, pytest.raises(LayoutError, match="blk.3.ffn_up_shexp.weight' is missing"):
         validate_layout(f, cfg)
+
+
+# -- tensors the metadata does not account for (issue #26 item 8) ---------------------------------
+
+
+def _patched(src, dst, key: str, value: int):
+    """``src`` with the u32 metadata ``key`` set to ``value``, patched in place by byte offset."""
+    from small_model import kv_value_pos, patch
+
+    data = src.read_bytes()
+    dst.write_bytes(patch(data, kv_value_pos(data, key), "<I", value))
+    return dst
+
+
+def test_tensors_of_a_layer_beyond_block_count_are_refused(tmp_path):
+    """block_count 5 in a file holding blk.0..blk.5: it used to pass as "layout: OK" and run five
+    layers, silently leaving the sixth trained layer out."""
+    six = build_small_model(tmp_path / "six.gguf", tokenizer=False, extra_args=["--n-layer", "6"])
+    load_model_file(six)[0].close()  # as written, consistent
+    bad = _patched(six, tmp_path / "five.gguf", "deepseek4.block_count", 5)
+    with GGUFFile(bad) as f:
+        first_stray = next(n for n in f.tensors if n.startswith("blk.5."))
+        cfg = ModelConfig.from_gguf(f)
+        assert cfg.n_layer == 5  # the config alone is fine: compress_ratios etc. cover 5 layers
+    with pytest.raises(LayoutError) as ei:
+        load_model_file(bad)
+    msg = str(ei.value)
+    assert str(bad) in msg and f"tensor {first_stray!r}" in msg
+    assert "deepseek4.block_count is 5" in msg and "layer 5" in msg
+
+
+def test_block_count_below_the_layers_of_the_small_model_is_refused(small_model_no_tokenizer, tmp_path):
+    path, _ = small_model_no_tokenizer
+    bad = _patched(path, tmp_path / "three.gguf", "deepseek4.block_count", 3)
+    with pytest.raises(LayoutError, match=r"tensor 'blk\.3\.[\w.]+' belongs to layer 3, but "
+                                          r"deepseek4\.block_count is 3"):
+        load_model_file(bad)
+
+
+def test_missing_layer_below_block_count_is_still_refused(small_model_no_tokenizer, tmp_path):
+    path, _ = small_model_no_tokenizer
+    with GGUFFile(path) as f:
+        layer3 = {n for n in f.tensors if n.startswith("blk.3.")}
+    out = rewrite_gguf(path, tmp_path / "no3.gguf", drop=layer3)
+    with pytest.raises(LayoutError, match=r"required tensor 'blk\.3\.[\w.]+' is missing"):
+        load_model_file(out)
+
+
+def test_hash_routing_table_on_a_non_hash_layer_is_refused(small_model_no_tokenizer, tmp_path):
+    """hash_layer_count 2 while layer 2 holds its ffn_gate_tid2eid table: layer 2 would route by
+    scores and the file's table for it be ignored."""
+    path, _ = small_model_no_tokenizer
+    bad = _patched(path, tmp_path / "hash2.gguf", "deepseek4.hash_layer_count", 2)
+    with pytest.raises(LayoutError) as ei:
+        load_model_file(bad)
+    msg = str(ei.value)
+    assert "tensor 'blk.2.ffn_gate_tid2eid.weight'" in msg
+    assert "deepseek4.hash_layer_count is 2" in msg and "not a hash layer" in msg
+
+
+@pytest.mark.parametrize("name,ne,why", [
+    # a dense layer (compress ratio 0) has no compressor
+    ("blk.0.attn_compressor_norm.weight", "head_dim", r"compress_ratios\[0\] is 0"),
+    # a ratio-128 layer has a compressor but no indexer
+    ("blk.3.indexer.proj.weight", "indexer", r"compress_ratios\[3\] is 128"),
+])
+def test_compressor_or_indexer_on_a_layer_without_one_is_refused(small_model_no_tokenizer, small_cfg, tmp_path,
+                                                                 name, ne, why):
+    path, _ = small_model_no_tokenizer
+    shape = (small_cfg.head_dim,) if ne == "head_dim" else (small_cfg.n_indexer_head, small_cfg.n_embd)
+    out = rewrite_gguf(path, tmp_path / "x.gguf", add={name: (np.zeros(shape, np.float32), QT.F32)})
+    with pytest.raises(LayoutError, match=rf"tensor {name!r}.*{why}"):
+        load_model_file(out)
+
+
+def test_unknown_names_stay_warnings(small_model_no_tokenizer, tmp_path):
+    """Names ds4 does not know at all are ignored by ds4 and only listed; leading zeros or a
+    non-ASCII digit make a name that is not a layer's."""
+    path, _ = small_model_no_tokenizer
+    names = ["blk.1.my_probe.weight", "blk.03.attn_norm.weight", "blk.\u0663.attn_norm.weight", "mtp.0.x.weight"]
+    out = rewrite_gguf(path, tmp_path / "u.gguf", add={n: (np.zeros(4, np.float32), QT.F32) for n in names})
+    f, _, report = load_model_file(out)
+    f.close()
+    assert report.extra_tensors == names
+    assert any("4 tensor(s) ds4 does not use" in w for w in report.warnings)

@@ -95,6 +95,24 @@ def test_invalid_layout_prints_report_and_exits_1(small_model_path, tmp_path, ca
     assert info["config"]["n_layer"] == 4 and info["layout"] is None and info["routed_quant_bits"] == 2
 
 
+def test_layers_beyond_block_count_make_the_layout_invalid(small_model_path, tmp_path, capsys):
+    """block_count 3 in a file holding four layers' tensors was "layout: OK" with blk.3.* listed as
+    tensors ds4 does not use, and the model ran three layers (issue #26 item 8)."""
+    data = small_model_path.read_bytes()
+    bad = tmp_path / "three.gguf"
+    bad.write_bytes(patch(data, kv_value_pos(data, "deepseek4.block_count"), "<I", 3))
+    rc, out, err = _run(capsys, bad)
+    assert rc == 1 and err == ""
+    assert "layout: OK" not in out
+    line = next(l for l in out.splitlines() if l.startswith("layout: "))
+    assert line.startswith("layout: INVALID: ") and "deepseek4.block_count is 3" in line
+    assert "tensor 'blk.3." in line and "belongs to layer 3" in line
+    rc, out, _ = _run(capsys, bad, "--json")
+    info = json.loads(out)
+    assert rc == 1 and info["verdict"] == "INVALID" and info["layout"] is None
+    assert "deepseek4.block_count is 3" in info["error"] and info["config"]["n_layer"] == 3
+
+
 def test_invalid_config_exits_1_without_config(small_model_path, tmp_path, capsys):
     data = small_model_path.read_bytes()
     bad = tmp_path / "rope.gguf"

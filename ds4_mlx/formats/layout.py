@@ -6,12 +6,20 @@ run on without further shape tests. Here the same rules are written once as data
 (``expected_tensors``) and checked by ``validate_layout``, with every shape taken from the config
 so the 43-layer model and the small generated test models share the code.
 
-Tensors ds4 does not know are ignored by ds4; they are listed in the report, not refused.
+Tensors the metadata does not account for are refused, where ds4 (which ignores every name it
+does not bind) would run without them: a layer's tensors beyond ``block_count`` (block_count 5 in
+a file holding blk.0..blk.5 ran five layers and dropped a trained one), a hash routing table on a
+layer ``hash_layer_count`` makes a score-routed one, a compressor or indexer on a layer whose
+compress ratio has none. In each case the file and its metadata disagree, and which one is wrong
+cannot be known; ds4 cannot meet most of these, since it pins block_count, hash_layer_count and the
+ratios to the real model's, but the small models' configs are free. Names ds4 does not know at all
+(``mtp.*``, a layer tensor of another kind) are ignored by ds4 and only listed in the report.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -138,6 +146,41 @@ def expected_tensors(cfg: ModelConfig) -> list[ExpectedTensor]:
     return out
 
 
+# A layer tensor's name as ds4 formats it (blk.%u.): ASCII decimal, no leading zero. Other spellings
+# (blk.03., a non-ASCII digit) are not names ds4 would bind, so they are merely unknown.
+_LAYER_NAME = re.compile(r"blk\.(0|[1-9][0-9]*)\.(.+)", re.ASCII | re.DOTALL)
+
+
+def _stray_layer_tensor(name: str, cfg: ModelConfig, layer_suffixes: set[str]) -> str | None:
+    """Why the tensor ``name``, which no expectation matched, contradicts the metadata; None if it
+    is merely unknown (ignored, as ds4 does)."""
+    m = _LAYER_NAME.fullmatch(name)
+    if m is None:
+        return None
+    digits, suffix = m.groups()
+    # int() of a corrupt name's thousands of digits is slow (and refused past 4300): any index
+    # longer than 9 digits is past every block_count the config accepts.
+    if len(digits) > 9 or int(digits) >= cfg.n_layer:
+        return (f"belongs to layer {digits if len(digits) <= 12 else digits[:12] + '...'}, but "
+                f"deepseek4.block_count is {cfg.n_layer} (layers 0..{cfg.n_layer - 1}): the file holds more "
+                f"layers than its metadata says, and running {cfg.n_layer} would silently leave them out")
+    il = int(digits)
+    if suffix not in layer_suffixes:
+        return None
+    ratio = cfg.compress_ratio(il)
+    if suffix == "ffn_gate_tid2eid.weight":
+        return (f"is a hash routing table, but layer {il} is not a hash layer (deepseek4.hash_layer_count is "
+                f"{cfg.n_hash_layer}): the layer would route by scores and the table be ignored")
+    if suffix.startswith("indexer"):
+        return (f"is an indexer tensor, but deepseek4.attention.compress_ratios[{il}] is {ratio} and only "
+                f"ratio-4 layers have an indexer: it would be ignored")
+    if suffix.startswith("attn_compressor"):
+        return (f"is a compressor tensor, but deepseek4.attention.compress_ratios[{il}] is {ratio}, a layer "
+                f"without a compressor: it would be ignored")
+    # every per-layer kind that only some layers have is named above; kept for a future kind
+    return f"is not a tensor layer {il} has under this file's metadata: it would be ignored"
+
+
 def routed_quant_bits(tensors: Mapping[str, TensorInfo] | GGUFFile) -> int:
     """4 if layer 0's routed gate is Q4_K, 2 for any other type, 0 without one (ds4's rule)."""
     if isinstance(tensors, GGUFFile):
@@ -187,7 +230,16 @@ def validate_layout(gguf_file: GGUFFile, cfg: ModelConfig) -> LayoutReport:
         routed_by_layer.append((gate, down))
 
     known = {e.name for e in expected}
-    extra = [name for name in tensors if name not in known]
+    layer_suffixes = {e.name.split(".", 2)[2] for e in expected if e.layer is not None}
+    extra = []
+    for name in tensors:
+        if name in known:
+            continue
+        why = _stray_layer_tensor(name, cfg, layer_suffixes)
+        if why is not None:
+            shown = name if len(name) <= 96 else name[:96] + "..."
+            raise LayoutError(f"{path}: tensor {shown!r} {why}")
+        extra.append(name)
     warnings: list[str] = []
     if extra:
         shown = ", ".join(n if len(n) <= 64 else n[:64] + "..." for n in extra[:5]) + (", ..." if len(extra) > 5 else "")
