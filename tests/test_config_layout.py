@@ -343,3 +343,25 @@ def test_unknown_names_stay_warnings(small_model_no_tokenizer, tmp_path):
     f.close()
     assert report.extra_tensors == names
     assert any("4 tensor(s) ds4 does not use" in w for w in report.warnings)
+
+
+# Every u32 metadata count or width that sizes a tensor, each of which a file can contradict. No
+# tensor carries the others (rope.dimension_count, sliding_window, indexer.top_k,
+# sinkhorn_iterations, context_length): only their ranges and the config's own rules check them.
+_TENSOR_SIZING_KEYS = [
+    "block_count", "embedding_length", "vocab_size", "attention.head_count", "attention.key_length",
+    "attention.q_lora_rank", "attention.output_lora_rank", "attention.output_group_count", "expert_count",
+    "expert_used_count", "expert_feed_forward_length", "hash_layer_count", "attention.indexer.head_count",
+]
+
+
+@pytest.mark.parametrize("key", _TENSOR_SIZING_KEYS)
+@pytest.mark.parametrize("step", [-1, 1])
+def test_every_count_that_sizes_a_tensor_is_cross_checked(small_model_no_tokenizer, tmp_path, key, step):
+    """One more or one less than the tensors hold is refused, by the config or by the layout."""
+    path, _ = small_model_no_tokenizer
+    with GGUFFile(path) as f:
+        value = f.metadata[f"deepseek4.{key}"]
+    bad = _patched(path, tmp_path / "m.gguf", f"deepseek4.{key}", value + step)
+    with pytest.raises(LayoutError):
+        load_model_file(bad)
