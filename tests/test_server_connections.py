@@ -119,3 +119,83 @@ def test_a_huge_body_is_decoded_off_the_event_loop_and_tools_are_capped():
             t.join()
             assert result["answer"][0] == want
             assert worst < 2.0, worst
+
+
+def _half_closed_exchange(port: int, request: bytes, timeout: float = 10) -> bytes:
+    """Send ``request``, shut our sending side (``nc -N``, ``curl`` with some options), read until
+    the server closes: the whole response."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    try:
+        sock.sendall(request)
+        sock.shutdown(socket.SHUT_WR)
+        got = b""
+        while True:
+            piece = sock.recv(65536)
+            if not piece:
+                return got
+            got += piece
+    finally:
+        sock.close()
+
+
+def _post_request(body: bytes) -> bytes:
+    return HEAD + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+
+
+def test_a_client_that_half_closes_after_its_request_still_gets_the_answer():
+    """#26 item 8: EOF after a complete request is allowed by HTTP/1.1 (the client only says it
+    sends nothing more); uvicorn took it for a disconnect and answered nothing."""
+    # delay: the EOF arrives well before the answer is ready
+    with LiveServer(ScriptedBackend(delay=0.05), ServerConfig(keepalive_s=0.2)) as s:
+        plain = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
+        answer = _half_closed_exchange(s.port, _post_request(plain))
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+        head, body = answer.split(b"\r\n\r\n", 1)
+        assert json.loads(body)["choices"][0]["message"]["content"] == "Hello, world!"
+        assert b"connection: close" in head.lower()  # nothing more can come: no keep-alive
+
+        stream = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                             "stream": True}).encode()
+        answer = _half_closed_exchange(s.port, _post_request(stream))
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+        assert b"Hello" in answer and b"data: [DONE]" in answer
+
+        answer = _half_closed_exchange(s.port, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 200") and b'"status":"ok"' in answer, answer[:300]
+        assert len(s.backend.requests) == 2 and not s.backend.cancelled
+
+
+def test_a_slow_answer_to_a_half_closed_client_comes_after_interim_continues():
+    """Until a plain answer starts, a half-closed peer gets ``100 Continue`` probes (the only way to
+    tell it from a client that closed outright, whose job must be cancelled: see
+    test_server_concurrency's disconnect tests); a client parses them and reads the answer."""
+    with LiveServer(ScriptedBackend(delay=0.6), ServerConfig(keepalive_s=0.2)) as s:
+        plain = json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode()
+        answer = _half_closed_exchange(s.port, _post_request(plain))
+        interim, final = answer.split(b"HTTP/1.1 200 OK\r\n", 1)
+        assert interim and interim == b"HTTP/1.1 100 Continue\r\n\r\n" * (len(interim) // 25), interim
+        assert json.loads(final.split(b"\r\n\r\n", 1)[1])["choices"][0]["message"]["content"] == "Hello, world!"
+        assert not s.backend.cancelled
+
+
+def test_a_client_that_half_closes_before_its_body_is_complete_is_a_disconnect(caplog):
+    with LiveServer(ScriptedBackend(), ServerConfig(keepalive_s=0.2)) as s:
+        sock = socket.create_connection(("127.0.0.1", s.port))
+        sock.sendall(HEAD + f"Content-Length: {len(BODY)}\r\n\r\n".encode() + BODY[:10])
+        sock.shutdown(socket.SHUT_WR)
+        took = _closed_within(sock, 5)
+        assert took is not None and took < 3, took
+        sock.close()
+        # a half-sent head is the same
+        sock = socket.create_connection(("127.0.0.1", s.port))
+        sock.sendall(HEAD)
+        sock.shutdown(socket.SHUT_WR)
+        took = _closed_within(sock, 5)
+        assert took is not None and took < 3, took
+        sock.close()
+        # nothing reached the worker, and it is free for the next client
+        assert len(s.backend.requests) == 0 and not s.backend.busy
+        assert http(s.url, "POST", "/v1/chat/completions", BODY, timeout=10)[0] == 200
+    # a client gone mid-body is logged as such, not as an unhandled error with its traceback
+    assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]
+    assert any("closed the connection after 10 bytes" in r.getMessage() for r in caplog.records)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -144,6 +144,11 @@ class Server:
                 chunk = await asyncio.wait_for(stream.__anext__(), self.config.body_timeout_s)
             except StopAsyncIteration:
                 break
+            except ClientDisconnect:
+                # a client gone mid-body (closed, or half-closed before its body was complete) is
+                # no server fault: one log line, not the traceback of an unhandled error
+                raise ApiError(400, f"the client closed the connection after {size} bytes of the "
+                                    "request body") from None
             except (asyncio.TimeoutError, TimeoutError):
                 raise ApiError(408, f"request body not received: nothing came for {self.config.body_timeout_s:g} s "
                                     f"after {size} bytes") from None
