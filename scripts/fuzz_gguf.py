@@ -36,8 +36,10 @@ from small_model import build_small_model  # noqa: E402
 
 INTERESTING_U32 = [0, 1, 2, 3, 4, 7, 8, 9, 12, 13, 0x7F, 0x80, 0xFF, 0x100, 0x7FFF, 0xFFFF, 0x7FFFFFFF,
                    0x80000000, 0xFFFFFFFF]
-INTERESTING_U64 = [0, 1, 8, 32, 0x100, 0xFFFFFFFF, 1 << 32, 1 << 40, 0x7FFFFFFFFFFFFFFF, 0x8000000000000000,
-                   0xFFFFFFFFFFFFFFFF]
+# 0x10001: one past the reader's caps on the key and tensor counts, and small enough for a small
+# model's bytes to hold, so the caps themselves are reached (not only the bytes-left bound).
+INTERESTING_U64 = [0, 1, 8, 32, 0x100, 0x10001, 0xFFFFFFFF, 1 << 32, 1 << 40, 0x7FFFFFFFFFFFFFFF,
+                   0x8000000000000000, 0xFFFFFFFFFFFFFFFF]
 KINDS = ("flip", "interesting", "insert", "delete", "truncate")
 
 
