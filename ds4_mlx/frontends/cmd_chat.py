@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import sys
 from pathlib import Path
 
@@ -272,6 +273,27 @@ class LineReader:
                     lines.append(end[:-len(BLOCK)])
                 return "\n".join(lines), True
             lines.append(nxt)
+
+
+def _write_private(path: Path, write) -> None:
+    """``write(fh)`` into a new file that then replaces ``path``: readable by the user only (a saved
+    chat is their conversation), never through a symlink.  The temp name is unique (pid and random
+    bytes) and opened with O_EXCL|O_NOFOLLOW, so a link planted at a name known in advance is
+    refused instead of written through; ``os.replace`` then swaps the name itself, so a link at
+    ``path`` is replaced, not followed, and a crash leaves the old save whole."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(8)}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(tmp, flags, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            write(fh)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 # ------------------------------------------------------------------------------------------------
@@ -528,19 +550,15 @@ class ChatRepl:
             # to the shared prefix (the turn-start snapshot makes this a restore).
             session.rewind(common)
         try:
-            self.chat_dir.mkdir(parents=True, exist_ok=True)
+            self.chat_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # a new folder: the user's only
             if session.pos:
-                tmp = payload_path.with_name(payload_path.name + ".tmp")
-                session.save(tmp)
-                os.replace(tmp, payload_path)
-            elif payload_path.exists():
+                _write_private(payload_path, session.save_payload)
+            elif payload_path.is_symlink() or payload_path.exists():
                 payload_path.unlink()  # an older save's state must not pair with this transcript
             doc = {"format": CHAT_FORMAT, "version": CHAT_VERSION, "model_id": self.engine.model_id.hex(),
                    "ctx": session.ctx, "think": self.transcript.think.value, "system": self.system,
                    "session_tokens": session.pos, "tokens": tokens}
-            tmp = meta_path.with_name(meta_path.name + ".tmp")
-            tmp.write_text(json.dumps(doc), encoding="utf-8")
-            os.replace(tmp, meta_path)
+            _write_private(meta_path, lambda fh: fh.write(json.dumps(doc).encode("utf-8")))
         except OSError as exc:
             raise ChatCommandError(f"/save {arg}: {exc.strerror or exc}") from None
         self.say(f"saved {arg}: {len(tokens)} tokens of conversation ({session.pos} in the KV state) "
