@@ -331,3 +331,75 @@ def test_temp_file_is_private_and_unique_per_writer(tmp_path, monkeypatch):
     suffixes = [n.rsplit(".tmp.", 1)[1].split(".") for n, _ in seen]
     assert all(s[0] == pid and len(s) == 2 and len(s[1]) == 16 for s in suffixes)
     assert suffixes[0][1] != suffixes[1][1]
+
+
+# -- junk files named like entries (#26 item 8) ------------------------------------------------------
+
+
+def _count_opens(monkeypatch) -> list[str]:
+    """Names of the files the directory listing opens from now on."""
+    opened: list[str] = []
+    real = kvstore_scan.open_regular
+
+    def spy(path, *a, **kw):
+        opened.append(Path(path).name)
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(kvstore_scan, "open_regular", spy)
+    return opened
+
+
+def test_junk_files_are_read_once_not_on_every_lookup(tmp_path, monkeypatch):
+    """Files named like entries whose bytes are junk (empty, random, a truncated checkpoint) are
+    read by the first lookup and not again while their stat is unchanged; one replaced by a valid
+    checkpoint (renamed over it, or rewritten in place at the same size) is read again, and found."""
+    monkeypatch.setattr(kvstore_scan, "SETTLED_NS", 50_000_000)
+    d = tmp_path / "kv"
+    store = make_store(d)
+    tokens = toks(600)
+    good = store.store(tokens, "the valid one", bytes(5000), "cold")
+    # two valid checkpoints made elsewhere, to land later on two of the junk names
+    elsewhere = make_store(tmp_path / "elsewhere")
+    later = [elsewhere.store(toks(600, 10 + i), f"junk {i}", bytes(3000), "cold") for i in range(2)]
+    junk = []
+    for i in range(60):
+        p = d / (kvstore.key_for_text(f"junk {i}") + ".kv")
+        if i == 1:  # the same size as the checkpoint that will overwrite it in place
+            p.write_bytes(os.urandom(later[1].file_size))
+        else:
+            p.write_bytes([b"", os.urandom(10 + i), good.path.read_bytes()[:-1]][i % 3])
+        junk.append(p.name)
+    time.sleep(0.1)  # past the settling margin: these files are done changing
+    opened = _count_opens(monkeypatch)
+    assert store.lookup(tokens=tokens).path == good.path
+    assert set(junk) <= set(opened)  # the first look reads each one
+    assert len(store.scan().invalid) == 60
+    opened.clear()
+    for _ in range(3):
+        assert store.lookup(tokens=tokens).path == good.path
+    assert not set(opened) & set(junk)  # later looks read none of them
+
+    staging = d / "staging"
+    staging.write_bytes(later[0].path.read_bytes())
+    os.replace(staging, d / junk[0])
+    with open(d / junk[1], "r+b") as f:
+        f.write(later[1].path.read_bytes())
+    opened.clear()
+    for i in range(2):
+        found = store.lookup(tokens=toks(600, 10 + i))
+        assert found is not None and found.path.name == junk[i]
+    assert set(opened) & set(junk) == {junk[0], junk[1]}
+    assert len(store.scan().invalid) == 58
+    assert bytes(store.restore(tokens=toks(600, 11)).payload) == bytes(3000)
+
+
+def test_a_junk_file_that_may_still_be_changing_is_read_again(tmp_path, monkeypatch):
+    """A file whose ctime is within the settling margin is not remembered: a change in the same
+    timestamp tick would leave its stat as it was, and trusting it could hide a valid entry."""
+    store = make_store(tmp_path)
+    p = tmp_path / ("ab" * 20 + ".kv")
+    p.write_bytes(b"junk")
+    opened = _count_opens(monkeypatch)
+    for _ in range(2):
+        assert store.lookup(tokens=toks(600)) is None
+    assert opened.count(p.name) == 2

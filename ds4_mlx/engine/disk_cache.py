@@ -240,8 +240,9 @@ class DiskCache:
         unusable: set[str] = set()  # text hits that cannot continue this prompt (not the file's fault)
         layout = None
         while True:
-            by_tokens = self.store.lookup(tokens=prompt)
-            by_text = self.store.lookup(rendered_text=text)
+            listing = self.store.scan()  # one listing for both lookups: it is most of their cost
+            by_tokens = self.store.lookup(tokens=prompt, scan=listing)
+            by_text = self.store.lookup(rendered_text=text, scan=listing)
             if (by_text is not None and by_text.name not in unusable
                     and (by_tokens is None or by_text.tokens > by_tokens.tokens)):
                 layout = layout or self._layout(prompt)

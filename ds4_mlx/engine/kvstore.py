@@ -32,11 +32,14 @@ while a compatible one is then kept as is.
 Rejections. A file that fails a check is logged (logger ``ds4_mlx.kvstore``: warning when damaged,
 info when merely incompatible), never loaded and never deleted for that reason alone, matching
 ds4, which only logs a failed load. Damaged files do count toward the budget, with score 0 so
-they are the first evicted when room is needed. The one deletion besides eviction is ds4's
-"consumed" rule: a loaded checkpoint longer than ``cold_max_tokens`` is removed after the load.
-A file that failed to load is remembered (by name, size and mtime) so lookups stop offering it;
-``mark_unloadable`` does the same for a payload the session loader refuses (ds4 deletes that
-file; we keep it, since the bytes are intact and may suit another setup).
+they are the first evicted when room is needed. The store remembers each one by its stat
+(``RejectMemo``): a lookup lists the directory on every request, and reads a junk file once, then
+again only when its stat changes. The one deletion besides eviction is ds4's "consumed" rule: a
+loaded checkpoint longer than ``cold_max_tokens`` is removed after the load. A file that failed
+to load is remembered (by name, size and mtime) so lookups stop offering it; ``mark_unloadable``
+does the same for a file the caller cannot use (a payload the session loader refuses, stored
+token ids outside the vocabulary; ds4 deletes such a file; we keep it, since the bytes are
+intact and may suit another setup).
 
 Any number of writers per directory: each store takes an exclusive ``flock`` on
 ``<dir>/.ds4-mlx-kv.lock`` around its eviction and write (ds4 assumes one writer), so the budget
@@ -107,6 +110,7 @@ from ds4_mlx.engine.kvstore_scan import (
     DirScan,
     KVCacheDirError,
     KVLockTimeout,
+    RejectMemo,
     check_cache_dir,
     clean_stale_temps,
     directory_lock,
@@ -201,6 +205,7 @@ class KVStore:
         self._lock = threading.RLock()
         self._failed: dict[str, tuple[int, int]] = {}  # name -> (size, mtime_ns) of a failed load
         self._logged: set[tuple] = set()
+        self._rejects = RejectMemo()  # files found invalid: every request's lookup lists the dir
         check_cache_dir(self.directory)
         try:
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -227,19 +232,20 @@ class KVStore:
 
     def scan(self) -> DirScan:
         with self._lock:
-            scan = scan_dir(self.directory)
-            for bad in scan.invalid:
-                self._log_once(logging.WARNING if bad.corrupt else logging.INFO,
-                               (bad.path.name, bad.file_size, bad.mtime_ns, bad.reason),
-                               "kv cache ignoring %s: %s", bad.path, bad.reason)
-            return scan
+            return scan_dir(self.directory, self._rejects, self._log_invalid)
+
+    def _log_invalid(self, bad: InvalidFile) -> None:
+        self._log_once(logging.WARNING if bad.corrupt else logging.INFO,
+                       (bad.path.name, bad.file_size, bad.mtime_ns, bad.reason),
+                       "kv cache ignoring %s: %s", bad.path, bad.reason)
 
     def entries(self) -> list[Entry]:
         """Every readable entry in the directory, compatible or not."""
         return self.scan().entries
 
     def total_bytes(self) -> int:
-        return scan_dir(self.directory).total_bytes
+        with self._lock:
+            return scan_dir(self.directory, self._rejects, self._log_invalid).total_bytes
 
     def incompatibility(self, entry: Entry) -> str | None:
         """Why this store must not load ``entry`` (None: it may)."""
@@ -265,8 +271,11 @@ class KVStore:
 
     def lookup(self, rendered_text: str | bytes | None = None,
                tokens: Sequence[int] | np.ndarray | None = None,
-               min_tokens: int | None = None) -> Entry | None:
-        """The longest compatible stored prefix of the prompt, by text or by tokens (give one)."""
+               min_tokens: int | None = None, *, scan: DirScan | None = None) -> Entry | None:
+        """The longest compatible stored prefix of the prompt, by text or by tokens (give one).
+
+        ``scan``: a listing of this store's directory to search instead of a fresh one (a caller
+        making several lookups for one request lists the directory once)."""
         if (rendered_text is None) == (tokens is None):
             raise KVStoreError("lookup needs exactly one of rendered_text or tokens")
         min_tokens = self.options.min_tokens if min_tokens is None else min_tokens
@@ -275,7 +284,7 @@ class KVStore:
         hashes: dict[int, str] = {}
         best: Entry | None = None
         with self._lock:
-            for e in self.scan().entries:
+            for e in (scan if scan is not None else self.scan()).entries:
                 length = e.text_bytes if by_text else 4 * e.tokens
                 if length > len(query) or e.tokens < min_tokens or self._failed_before(e):
                     continue

@@ -1,7 +1,8 @@
 """The cache directory: listing its ``.kv`` files, dead writers' temp files, and its lock.
 
 A listing applies the file format's cheap checks (header and trailer) to every ``<40 hex>.kv``
-name; a file that fails them is listed as invalid (it still occupies the budget), and anything
+name; a file that fails them is listed as invalid (it still occupies the budget; a ``RejectMemo``
+lets the next listing skip it unread while its stat is unchanged), and anything
 that is not a regular file (a FIFO, link or directory named like an entry) is skipped by
 ``lstat`` before any open, so it can neither hang a scan nor be deleted. Temp files
 ``<name>.kv.tmp.<pid>.<random>`` are never listed as entries; ``clean_stale_temps`` removes those whose
@@ -17,7 +18,7 @@ import os
 import re
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,37 +64,83 @@ class DirScan:
         return None
 
 
-def scan_dir(directory: str | os.PathLike) -> DirScan:
+# A rejected file is remembered only once its ctime is this much older than the scan. Within a
+# filesystem's timestamp granularity (a coarse clock tick; seconds on some) a later write may
+# leave size, mtime and ctime as they were, so a young file's verdict cannot be trusted by its
+# stat; re-reading such a file costs one small read, and junk that sits still ages past this.
+SETTLED_NS = 2_000_000_000
+
+
+@dataclass
+class RejectMemo:
+    """Files a listing found invalid by their bytes, keyed by stat, so the next listing skips
+    them without an open or a read (20,000 junk files named like entries made every lookup
+    reopen all of them). A file whose inode, size, mtime or ctime differs is read again: any
+    write, rename over it or chmod moves at least one. ``scan_dir`` keeps only names it saw."""
+
+    files: dict[str, tuple[tuple[int, int, int, int], InvalidFile]] = field(default_factory=dict)
+
+    @staticmethod
+    def key(st: os.stat_result) -> tuple[int, int, int, int]:
+        return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    def get(self, name: str, st: os.stat_result) -> InvalidFile | None:
+        hit = self.files.get(name)
+        return hit[1] if hit is not None and hit[0] == self.key(st) else None
+
+
+def scan_dir(directory: str | os.PathLike, memo: RejectMemo | None = None,
+             on_invalid: Callable[[InvalidFile], None] | None = None) -> DirScan:
     """Every ``<40 hex>.kv`` file (cheap checks only) and every ``.kv.tmp.<pid>[.<random>]``
-    temp, by name."""
+    temp, by name.
+
+    With ``memo``, a file it holds under its current stat is listed as invalid unread, and files
+    rejected now by their bytes are added to it. ``on_invalid`` is called for each invalid file
+    found by this listing (not for those the memo held: they were reported when first read).
+    """
     directory = Path(directory)
     scan = DirScan()
+    started_ns = time.time_ns()
+    seen: dict[str, tuple[tuple[int, int, int, int], InvalidFile]] = {}
     try:
-        names = sorted(os.listdir(directory))
+        with os.scandir(directory) as it:
+            # DirEntry, not listdir + Path: with thousands of junk names, building a Path for
+            # each one cost as much as the lstat it needs
+            items = sorted(it, key=lambda d: d.name)
     except FileNotFoundError:
         return scan
     except OSError as exc:
         raise KVStoreError(f"{directory}: cannot list the KV cache directory: {exc.strerror or exc}") from None
-    for name in names:
-        path = directory / name
+    for item in items:
+        name = item.name
         if _TEMP_RE.match(name):
             try:
-                if stat.S_ISREG(path.lstat().st_mode):
-                    scan.temps.append(path)
+                if item.is_file(follow_symlinks=False):
+                    scan.temps.append(directory / name)
             except OSError:
                 pass
             continue
         if not ENTRY_NAME_RE.match(name):
             continue
         try:
-            st = path.lstat()
+            st = item.stat(follow_symlinks=False)
         except FileNotFoundError:
             continue
         except OSError as exc:
-            scan.invalid.append(InvalidFile(path, 0, 0, f"cannot stat: {exc.strerror}", corrupt=False))
+            bad = InvalidFile(directory / name, 0, 0, f"cannot stat: {exc.strerror}", corrupt=False)
+            scan.invalid.append(bad)
+            if on_invalid is not None:
+                on_invalid(bad)
             continue
         if not stat.S_ISREG(st.st_mode):
             continue  # a FIFO, link, directory...: never ours, never opened, never deleted
+        known = memo.get(name, st) if memo is not None else None
+        if known is not None:
+            scan.invalid.append(known)
+            seen[name] = memo.files[name]
+            continue
+        path = directory / name
+        bad = None
         try:
             f, st = open_regular(path)
             with f:
@@ -101,12 +148,22 @@ def scan_dir(directory: str | os.PathLike) -> DirScan:
         except NotRegularFile:
             continue  # replaced by a non-regular file since the lstat
         except KVFileRejected as rej:
-            scan.invalid.append(InvalidFile(path, st.st_size, st.st_mtime_ns, rej.reason, rej.corrupt))
+            bad = InvalidFile(path, st.st_size, st.st_mtime_ns, rej.reason, rej.corrupt)
+            # st is the fstat of the very file read; only a verdict on its bytes is remembered
+            # (an OSError below may be passing: EMFILE, EIO), and only once the file has settled
+            if started_ns - st.st_ctime_ns >= SETTLED_NS:
+                seen[name] = (RejectMemo.key(st), bad)
         except FileNotFoundError:
             continue
         except OSError as exc:
-            scan.invalid.append(InvalidFile(path, st.st_size, st.st_mtime_ns,
-                                            f"cannot read: {exc.strerror or exc}", corrupt=False))
+            bad = InvalidFile(path, st.st_size, st.st_mtime_ns, f"cannot read: {exc.strerror or exc}",
+                              corrupt=False)
+        if bad is not None:
+            scan.invalid.append(bad)
+            if on_invalid is not None:
+                on_invalid(bad)
+    if memo is not None:
+        memo.files = seen  # names gone from the directory are forgotten: the memo stays bounded
     return scan
 
 
