@@ -86,3 +86,52 @@ def test_serve_command_end_to_end(tiny_model_path, tmp_path):
     # the prompt's cold save happens during the request; the live session (prompt + answer) is
     # stored with reason "shutdown" only if the SIGTERM path ran the backend's shutdown
     assert "shutdown" in reasons, reasons
+
+
+def test_start_up_errors_are_one_line_without_traceback(tiny_model_path, tmp_path):
+    """#26 item 8: a port in use, a --kv-disk-dir that is a file, a model that is no GGUF, a --host
+    that is no address of this machine: each printed uvicorn's 30-line traceback (or its own
+    error lines) and exited 3. Now one ``ds4-mlx serve: error:`` line and exit 2, as every other
+    command's errors; the address is taken before the model loads, so those fail at once."""
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"not a model at all " * 64)
+    not_a_dir = tmp_path / "kv-file"
+    not_a_dir.write_text("")
+    model = str(tiny_model_path)
+    cases = {
+        "port in use": (["-m", model, "--port", str(busy.getsockname()[1])],
+                        f"cannot listen on 127.0.0.1:{busy.getsockname()[1]}: address already in use"),
+        "kv dir is a file": (["-m", model, "--kv-disk-dir", str(not_a_dir)], "is not a directory"),
+        "not a gguf": (["-m", str(garbage)], "not a GGUF file"),
+        "model is a folder": (["-m", str(tmp_path)], "no such model file"),
+        "unknown host": (["-m", model, "--host", "no-such-host.invalid"],
+                         "--host 'no-such-host.invalid': no such address"),
+        "bad address": (["-m", model, "--host", "999.1.1.1"], "--host '999.1.1.1': no such address"),
+        # TEST-NET-1 (RFC 5737): never an address of this machine
+        "foreign address": (["-m", model, "--host", "192.0.2.1"],
+                            "cannot listen on 192.0.2.1:"),
+    }
+    procs = {}
+    for name, (args, _) in cases.items():
+        if "--port" not in args:
+            args = args + ["--port", str(_free_port())]
+        procs[name] = subprocess.Popen([sys.executable, "-m", "ds4_mlx.frontends.cli", "serve", "--ctx", "4096",
+                                        *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for name, proc in procs.items():
+            out, err = proc.communicate(timeout=300)
+            want = cases[name][1]
+            assert "Traceback" not in err, (name, err[-3000:])
+            lines = err.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("ds4-mlx serve: error: "), (name, err[-3000:])
+            assert want in lines[0], (name, lines[0])
+            assert proc.returncode == 2, (name, proc.returncode, err)
+    finally:
+        busy.close()
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()

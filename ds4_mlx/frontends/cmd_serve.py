@@ -20,7 +20,9 @@ DSML block, or the named invoke, must open the answer); "none" drops the tools p
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import socket
 
 from ds4_mlx.chat.template import DEFAULT_CTX
 from ds4_mlx.errors import Ds4Error
@@ -103,11 +105,70 @@ def _log_to_stderr(level: str) -> None:
     logger.propagate = False
 
 
-def serve(app, backend, host: str, port: int, log_level: str = "info") -> None:
-    """Run ``app`` with uvicorn until SIGTERM/SIGINT, cancelling in-flight work first."""
+def _bind_error(exc: OSError) -> str:
+    known = {errno.EADDRINUSE: "address already in use (another server on that port?)",
+             errno.EADDRNOTAVAIL: "not an address of this machine",
+             errno.EACCES: "permission denied (ports below 1024 need privileges)"}
+    return known.get(exc.errno) or (exc.strerror or str(exc)).lower()
+
+
+def listen(host: str, port: int) -> list:
+    """Sockets bound to ``host``:``port``, one per address the name resolves to (``localhost``:
+    IPv4 and IPv6), as uvicorn would bind them.  Bound here, before the model loads, so a port in
+    use or a host that is no address of this machine fails at once, as one line naming it,
+    instead of after the load with uvicorn's error lines (and it keeps the port from being taken
+    while the model loads)."""
+    try:
+        infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise Ds4Error(f"--host {host!r}: no such address ({exc.strerror})") from None
+    socks, seen, unavailable = [], set(), None
+    try:
+        for family, kind, proto, _, addr in infos:
+            if (family, addr[:2]) in seen:
+                continue
+            seen.add((family, addr[:2]))
+            where = f"[{addr[0]}]:{addr[1]}" if family == socket.AF_INET6 else f"{addr[0]}:{addr[1]}"
+            try:
+                sock = socket.socket(family, kind, proto)
+            except OSError as exc:  # a family this kernel lacks (no IPv6): skipped, as asyncio does
+                unavailable = unavailable or f"cannot listen on {where}: {_bind_error(exc)}"
+                continue
+            socks.append(sock)
+            # as asyncio and uvicorn do: a restart need not wait out the old connections' TIME_WAIT
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # the IPv4 address, if any, has a socket of its own
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(addr)
+            except OSError as exc:
+                if exc.errno != errno.EADDRNOTAVAIL:
+                    raise Ds4Error(f"cannot listen on {where}: {_bind_error(exc)}") from None
+                # ``localhost`` on a host without ::1: served on the addresses it has (asyncio's rule)
+                socks.pop().close()
+                unavailable = unavailable or f"cannot listen on {where}: {_bind_error(exc)}"
+        if not socks:
+            raise Ds4Error(unavailable or f"--host {host!r}: no address to listen on")
+    except BaseException:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
+
+
+def serve(app, backend, host: str, port: int, log_level: str = "info", sockets: list | None = None) -> None:
+    """Run ``app`` with uvicorn until SIGTERM/SIGINT, cancelling in-flight work first.  ``sockets``:
+    already bound by :func:`listen` (uvicorn binds ``host``:``port`` itself otherwise)."""
     import uvicorn
 
     _log_to_stderr(log_level)
+    if sockets:  # uvicorn says where it listens only when it binds itself
+        import logging
+
+        logging.getLogger("ds4_mlx.server").info("listening on %s", ", ".join(
+            ("http://[%s]:%d" if s.family == socket.AF_INET6 else "http://%s:%d") % s.getsockname()[:2]
+            for s in sockets))
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
@@ -116,7 +177,7 @@ def serve(app, backend, host: str, port: int, log_level: str = "info") -> None:
 
     from ds4_mlx.frontends.server.http_protocol import uvicorn_config
 
-    _Server(uvicorn_config(app, host, port, log_level, timeout_graceful_shutdown=30)).run()
+    _Server(uvicorn_config(app, host, port, log_level, timeout_graceful_shutdown=30)).run(sockets=sockets)
 
 
 def allowed_hosts(bind: str, extra: list[str]) -> tuple[str, ...] | None:
@@ -161,5 +222,16 @@ def run(args: argparse.Namespace, *, logits_hook=None) -> int:
                           allowed_hosts=allowed_hosts(args.host, args.allow_host),
                           max_body_bytes=int(args.max_body_mb * 1024 * 1024),
                           max_messages=args.max_messages, max_output=args.max_tokens, trace=args.trace)
-    serve(create_app(backend, config), backend, args.host, args.port, args.log_level)
+    app = create_app(backend, config)
+    sockets = listen(args.host, args.port)
+    try:
+        # The model loads here, not in uvicorn's lifespan (which then finds the backend started):
+        # a model, --ctx or --kv-disk-dir that cannot be used is a Ds4Error, one line from the CLI,
+        # where uvicorn printed it as a traceback of "Application startup failed".
+        backend.start()
+        serve(app, backend, args.host, args.port, args.log_level, sockets=sockets)
+    finally:
+        for sock in sockets:
+            sock.close()
+        backend.close()  # after uvicorn's own close: a no-op; if uvicorn never ran: the worker ends
     return 0
