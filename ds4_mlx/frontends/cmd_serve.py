@@ -229,9 +229,14 @@ def run(args: argparse.Namespace, *, logits_hook=None) -> int:
         # a model, --ctx or --kv-disk-dir that cannot be used is a Ds4Error, one line from the CLI,
         # where uvicorn printed it as a traceback of "Application startup failed".
         backend.start()
-        serve(app, backend, args.host, args.port, args.log_level, sockets=sockets)
+        try:
+            serve(app, backend, args.host, args.port, args.log_level, sockets=sockets)
+        finally:
+            # after the lifespan's own close a no-op; if uvicorn failed before it, the shutdown
+            # save still runs.  (Not after a failed or interrupted start: Ctrl-C during the load
+            # must not wait for the loading thread.)
+            backend.close()
     finally:
         for sock in sockets:
             sock.close()
-        backend.close()  # after uvicorn's own close: a no-op; if uvicorn never ran: the worker ends
     return 0
