@@ -32,8 +32,9 @@ from oracle_golden import ORACLE_SHA256
 
 @pytest.fixture(scope="session")
 def reference_dir(tmp_path_factory) -> Path:
-    """tests/data unpacked (oracle/golden/<case>.json and prompts/, test-vectors/, bench-data/): the
-    oracle's golden documents and the reference texts, in the layout of the oracle's own folder."""
+    """tests/data unpacked (oracle/golden/<case>.json and prompts/, bench-data/): the oracle's golden
+    documents and the reference texts, in the layout of the oracle's own folder (its test-vectors/
+    ship in the package: ``ds4_mlx.engine.vectors.load_vector_set("preview")``)."""
     return oracle_golden.materialize(tmp_path_factory.mktemp("reference"))
 
 

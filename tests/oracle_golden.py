@@ -50,7 +50,8 @@ def generator_sha256(name: str) -> str:
 def materialize(dest: Path) -> Path:
     """Copy tests/data to ``dest`` with every text/JSON ``*.xz`` decompressed (numeric ``*.npz.xz``
     are read in place), giving the folder layout of the oracle's: oracle/golden/<case>.json,
-    oracle/golden/prompts/, test-vectors/, bench-data/."""
+    oracle/golden/prompts/, bench-data/. (The oracle's test-vectors/ ship in the package instead,
+    ds4_mlx/vectors_data/preview, read through ``ds4_mlx.engine.vectors``.)"""
     for src in sorted(DATA.rglob("*")):
         if not src.is_file() or src.name.endswith(".npz.xz"):
             continue

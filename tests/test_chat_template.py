@@ -31,6 +31,7 @@ from ds4_mlx.chat.template import (
     think_mode_from_effort,
     think_mode_from_enabled,
 )
+from ds4_mlx.engine.vectors import load_vector_set
 from ds4_mlx.errors import ChatError
 
 BOS = "<｜begin▁of▁sentence｜>"
@@ -250,16 +251,14 @@ def test_cli_and_server_forms_agree(ds4_tokenizer):
         assert server == encode_chat_prompt(ds4_tokenizer, "2+2?", system="Be brief.", think=think)
 
 
-def test_test_vector_prompt_lengths(ds4_tokenizer, reference_dir):
-    manifest = json.loads((reference_dir / "test-vectors" / "manifest.json").read_text())
-    checked = 0
-    for entry in manifest["prompts"]:
-        prompt = (reference_dir / "test-vectors" / entry["prompt_file"]).read_text(encoding="utf-8")
-        official = json.loads((reference_dir / "test-vectors" / entry["official_file"]).read_text())
-        ids = encode_chat_prompt(ds4_tokenizer, prompt, system="", think=ThinkMode.NONE)
-        assert len(ids) == official["usage"]["prompt_tokens"], entry["id"]
-        checked += 1
-    assert checked == 5
+def test_test_vector_prompt_lengths(ds4_tokenizer):
+    """The API vectors shipped in the package (what `ds4-mlx vectors` prompts): ds4's no-system,
+    no-thinking prompt has the API's usage.prompt_tokens."""
+    cases = load_vector_set("preview").cases
+    for case in cases:
+        ids = encode_chat_prompt(ds4_tokenizer, case.prompt, system="", think=ThinkMode.NONE)
+        assert case.api_prompt_tokens is not None and len(ids) == case.api_prompt_tokens, case.id
+    assert len(cases) == 5
 
 
 def test_library_append_message(ds4_tokenizer):
