@@ -27,7 +27,7 @@ import threading
 from ds4_mlx.errors import Ds4Error
 
 # Order is the order of `ds4-mlx --help`.
-COMMANDS = ["generate", "chat", "serve", "download", "bench", "inspect", "tokenize", "kv", "vectors", "demo"]
+COMMANDS = ["generate", "chat", "serve", "download", "bench", "inspect", "tokenize", "kv", "vectors", "perplexity", "demo"]
 
 EXIT_INTERRUPTED = 128 + signal.SIGINT
 

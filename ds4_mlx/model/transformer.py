@@ -162,9 +162,11 @@ class Model:
         return self.decoder().step(int(token), cache, evaluate=evaluate)
 
     def forward_chunk(self, tokens: np.ndarray, cache: ModelCache,
-                      want_logits: bool = True) -> tuple[mx.array | None, ModelCache]:
-        """Run tokens (positions cache.n_tokens..) layer-major; logits of the last token if asked.
-        Returns the cache after them; ``cache`` itself is left as it was."""
+                      want_logits: bool | str = True) -> tuple[mx.array | None, ModelCache]:
+        """Run tokens (positions cache.n_tokens..) layer-major; logits of the last token if asked
+        ([n_vocab]), or with ``want_logits="all"`` of every position ([T, n_vocab]: teacher-forced
+        scoring, ``engine.perplexity``; a single-process model only, pipeline ranks send the last
+        row). Returns the cache after them; ``cache`` itself is left as it was."""
         if self.source is not None:
             self.source.check_intact()  # weights are about to be read: a truncated file is an error, not SIGBUS
         with self.ops.stream():
@@ -190,7 +192,10 @@ class Model:
     def _chunk_logits(self, H: mx.array, tokens: np.ndarray, p0: int, cache: ModelCache,
                       want_logits: bool) -> mx.array | None:
         """The last token's logits (lazy) from H after the blocks of a chunk at p0.. (``cache``:
-        the cache after it), or None when not wanted; a pipeline's rank 0 gets them from the last rank."""
+        the cache after it), every token's for "all", or None when not wanted; a pipeline's rank 0
+        gets them from the last rank."""
+        if want_logits == "all":
+            return self.head(H)
         return self.head(H[-1:])[0] if want_logits else None
 
     def run_blocks(self, H: mx.array, tokens: np.ndarray, cache: ModelCache,
