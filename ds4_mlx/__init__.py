@@ -70,7 +70,9 @@ def load(path_or_repo, numerics: str = "default", **kwargs):
     (``ds4_mlx.model.pipeline``); ``distributed="experts"``: every rank holds the dense weights and
     its share of each layer's routed experts (``ds4_mlx.model.expert_parallel``). Only rank 0
     returns, the other ranks serve their part inside this call and exit when rank 0 does
-    (``join_timeout``: seconds to wait for them, default 120).
+    (``join_timeout``: seconds to wait for them, default 120). ``checkpoint``: "preview" or "0731",
+    for a file whose name and metadata do not say which DeepSeek V4 Flash checkpoint it holds (its
+    thinking levels differ: ``ds4_mlx.chat.effort``); by default it is decided from the file.
     """
     from ds4_mlx.engine.engine import Engine
 

@@ -13,7 +13,7 @@ import gguf
 from ds4_mlx.frontends import cli
 from small_model import kv_value_pos, patch, tensor_info_pos
 
-JSON_KEYS = {"path", "file_size", "gguf_version", "alignment", "data_offset", "n_kv", "n_tensors", "metadata",
+JSON_KEYS = {"checkpoint", "path", "file_size", "gguf_version", "alignment", "data_offset", "n_kv", "n_tensors", "metadata",
              "tensors", "type_totals", "tensor_bytes", "n_params", "config", "verdict", "error",
              "routed_quant_bits", "layout", "blas", "native_experts"}
 

@@ -69,7 +69,7 @@ def test_tokenize_messages_matches_server_renderer(tmp_path, capsys, tiny_model_
     assert main(["tokenize", "-m", str(tiny_model_path), "--messages", str(path), "--json"]) == 0
     ids = json.loads(capsys.readouterr().out)["ids"]
     text, mode = openai_body_prompt(BODY)
-    assert (ids, mode) == openai_body_ids(tok, BODY) and mode is ThinkMode.HIGH
+    assert (ids, mode) == openai_body_ids(tok, BODY) and mode.mode is ThinkMode.HIGH
     assert ids == tok.encode_rendered(text)  # benign body: exactly ds4's tokenization
     assert ids[-1] == tok.special_ids["<think>"]
     assert main(["tokenize", "-m", str(tiny_model_path), "--messages", str(path), "--nothink", "--json"]) == 0

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import ds4_mlx
-from ds4_mlx.engine.vectors import (CTX_BY_ID, DS4_SKIPPED, TOP_K, OfficialStep, OfficialTop, VectorError,
+from ds4_mlx.engine.vectors import (CTX_BY_ID, DS4_SKIPPED, SKIPPED_BY_SET, TOP_K, OfficialStep, OfficialTop, VectorError,
                                     check_step, load_vector_dir, load_vector_set, official_logprob, official_steps,
                                     run_vectors)
 from ds4_mlx.frontends.cli import main
@@ -233,9 +233,34 @@ def test_preview_set_is_ds4s_fixture():
     assert set(DS4_SKIPPED) == {"long_memory_archive"}
 
 
+def test_0731_set_is_ds4s_flash_0731_fixture():
+    """ds4's flash-0731/official.vec (Aug 2026), read back: selected bytes per step; nothing skipped."""
+    vset = load_vector_set("0731")
+    assert vset.ids == ["short_italian_fact", "short_code_completion", "short_reasoning_plain",
+                        "long_memory_archive", "long_code_audit"]
+    assert [c.ctx for c in vset.cases] == [16384, 4096, 4096, 16384, 16384]
+    assert [[s.selected for s in c.steps] for c in vset.cases] == [
+        [b"Ada", b" Lov", b"el", b"ace"], [b"return"], [b"16"],
+        [b"Component", b" gamma", b" reports", b" anomalies"], [b"The", b" most", b" important", b" code"]]
+    for c in vset.cases:
+        assert all(s.top == (OfficialTop(s.selected, 0.0),) for s in c.steps), c.id
+    assert SKIPPED_BY_SET.get("0731", {}) == {} and SKIPPED_BY_SET["preview"] == DS4_SKIPPED
+
+
+def test_cli_default_set_is_the_files_checkpoint(capsys, tiny_model_path, tmp_path):
+    link = tmp_path / "DeepSeek-V4-Flash-tiny-0731.gguf"
+    link.symlink_to(tiny_model_path)
+    rc, out, err = run_cli(capsys, "-m", str(link), "--only", "short_reasoning_plain", "long_memory_archive", "--json")
+    doc = json.loads(out)
+    assert rc == 1 and doc["set"] == "0731"
+    assert [c["result"] for c in doc["cases"]] == ["fail", "fail"]  # the 0731 fixture skips nothing
+    rc, out, _ = run_cli(capsys, "-m", str(link), "--set", "preview", "--only", "long_memory_archive", "--json")
+    assert json.loads(out)["set"] == "preview" and json.loads(out)["cases"][0]["result"] == "skipped"
+
+
 def test_set_and_dir_errors(tmp_path, records):
-    with pytest.raises(VectorError, match=r"no vector set '0731' ships with this ds4-mlx \(shipped: preview\)"):
-        load_vector_set("0731")
+    with pytest.raises(VectorError, match=r"no vector set '0732' ships with this ds4-mlx \(shipped: 0731, preview\)"):
+        load_vector_set("0732")
     with pytest.raises(VectorError, match="named by its checkpoint"):
         load_vector_set("../preview")
     with pytest.raises(VectorError, match="does not exist"):
@@ -305,7 +330,7 @@ def test_cli_preview_set_on_the_tiny_model_fails_and_skips(capsys, tiny_model_pa
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--set", "0731"], "no vector set '0731' ships with this ds4-mlx (shipped: preview)"),
+    (["--set", "0732"], "no vector set '0732' ships with this ds4-mlx (shipped: 0731, preview)"),
     (["--only", "nope"], "no case 'nope' in vector set 'preview'"),
     (["--dir", "/nonexistent/vectors"], "vector directory /nonexistent/vectors does not exist"),
 ])

@@ -6,35 +6,33 @@ form (:func:`render_request`) is ds4's rendered string, for text-prefix cache ke
 Also the thinking controls of the request bodies [ds4_server.c parse_thinking_controls]:
 ``thinking`` ({"type":"enabled"|"disabled"} or a bool), ``think`` (bool), ``reasoning_effort``,
 ``output_config.effort`` / ``reasoning.effort``, and the model aliases ``deepseek-chat`` (off) and
-``deepseek-reasoner`` (on) when no explicit control is present.
+``deepseek-reasoner`` (on) when no explicit control is present.  The effort names and the default
+level are the loaded checkpoint's (``chat/effort.py``): pass its ``EffortRules``; the preview's
+(ds4's) are the default.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from ds4_mlx.chat.effort import PREVIEW_RULES, Effort, EffortRules
 from ds4_mlx.chat.pieces import PieceTokenizer
-from ds4_mlx.chat.template import (
-    ThinkMode,
-    encode_messages,
-    render_messages,
-    resolve_think_mode,
-    think_mode_from_effort,
-)
+from ds4_mlx.chat.template import ThinkMode, encode_messages, render_messages
 from ds4_mlx.errors import ChatError
 
-MODEL_ALIASES = {"deepseek-chat": ThinkMode.NONE, "deepseek-reasoner": ThinkMode.HIGH}
+# Thinking off / on (at the checkpoint's default level) when a request has no explicit control.
+MODEL_ALIASES = {"deepseek-chat": False, "deepseek-reasoner": True}
 
 
-def _effort(value, where: str) -> ThinkMode:
+def _effort(value, where: str, rules: EffortRules) -> ThinkMode:
     if not isinstance(value, str):
         raise ChatError(f"{where} must be a string")
-    return think_mode_from_effort(value)
+    return rules.from_name(value, where)
 
 
-def requested_think_mode(body: Mapping) -> ThinkMode:
-    """The thinking mode a request asks for, before the context check (Think Max needs
-    393216 tokens of context; :func:`resolve_think_mode` applies that)."""
+def requested_think_mode(body: Mapping, rules: EffortRules = PREVIEW_RULES) -> ThinkMode:
+    """The thinking level a request asks for under ``rules``, before the context check (the top
+    level needs 393216 tokens of context; ``rules.effort`` applies that)."""
     enabled: bool | None = None
     effort: ThinkMode | None = None
     thinking = body.get("thinking")
@@ -56,7 +54,7 @@ def requested_think_mode(body: Mapping) -> ThinkMode:
             raise ChatError("think must be a boolean")
         enabled = think
     if body.get("reasoning_effort") is not None:
-        effort = _effort(body["reasoning_effort"], "reasoning_effort")
+        effort = _effort(body["reasoning_effort"], "reasoning_effort", rules)
     for key in ("output_config", "reasoning"):
         sub = body.get(key)
         if sub is None:
@@ -64,13 +62,13 @@ def requested_think_mode(body: Mapping) -> ThinkMode:
         if not isinstance(sub, Mapping):
             raise ChatError(f"{key} must be an object")
         if sub.get("effort") is not None:
-            effort = _effort(sub["effort"], f"{key}.effort")
+            effort = _effort(sub["effort"], f"{key}.effort", rules)
     if enabled is None and effort is None:
         model = body.get("model")
-        return MODEL_ALIASES.get(model, ThinkMode.HIGH) if isinstance(model, str) else ThinkMode.HIGH
+        enabled = MODEL_ALIASES.get(model, True) if isinstance(model, str) else True
     if enabled is False or effort is ThinkMode.NONE:
         return ThinkMode.NONE
-    return ThinkMode.MAX if effort is ThinkMode.MAX else ThinkMode.HIGH
+    return rules.default if effort is None else effort
 
 
 def render_request(messages: Sequence[Mapping], tools=None, tool_choice="auto",
@@ -94,7 +92,7 @@ def encode_request(tokenizer: PieceTokenizer, messages: Sequence[Mapping], tools
     return encode_messages(tokenizer, messages, tools=tools or None, think=think, ctx=ctx)
 
 
-def _openai_body_args(body: Mapping, ctx: int, think: ThinkMode | str | None):
+def _openai_body_args(body: Mapping, ctx: int, think, rules: EffortRules):
     if not isinstance(body, Mapping):
         raise ChatError("request body must be a JSON object")
     messages = body.get("messages")
@@ -103,22 +101,24 @@ def _openai_body_args(body: Mapping, ctx: int, think: ThinkMode | str | None):
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise ChatError("tools must be an array")
-    mode = resolve_think_mode(requested_think_mode(body) if think is None else think, ctx)
+    mode = think if isinstance(think, Effort) else \
+        rules.effort(requested_think_mode(body, rules) if think is None else think, ctx)
     return messages, tools, body.get("tool_choice", "auto"), mode
 
 
-def openai_body_prompt(body: Mapping, *, ctx: int = 32768, think: ThinkMode | str | None = None
-                       ) -> tuple[str, ThinkMode]:
+def openai_body_prompt(body: Mapping, *, ctx: int = 32768, think: ThinkMode | str | Effort | None = None,
+                       rules: EffortRules = PREVIEW_RULES) -> tuple[str, Effort]:
     """Rendered prompt text and effective thinking mode for an OpenAI chat-completions body
     (``messages``, ``tools``, ``tool_choice`` and the thinking controls); ``think`` overrides the
     body's controls."""
-    messages, tools, choice, mode = _openai_body_args(body, ctx, think)
+    messages, tools, choice, mode = _openai_body_args(body, ctx, think, rules)
     return render_request(messages, tools, choice, mode, ctx), mode
 
 
 def openai_body_ids(tokenizer: PieceTokenizer, body: Mapping, *, ctx: int = 32768,
-                    think: ThinkMode | str | None = None) -> tuple[list[int], ThinkMode]:
+                    think: ThinkMode | str | Effort | None = None,
+                    rules: EffortRules = PREVIEW_RULES) -> tuple[list[int], Effort]:
     """The ids ``ds4-mlx serve`` prefills for an OpenAI chat-completions body (see
     :func:`openai_body_prompt`), and the effective thinking mode."""
-    messages, tools, choice, mode = _openai_body_args(body, ctx, think)
+    messages, tools, choice, mode = _openai_body_args(body, ctx, think, rules)
     return encode_request(tokenizer, messages, tools, choice, mode, ctx), mode

@@ -16,7 +16,6 @@ Two forms exist in ds4 and both are reproduced byte for byte:
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -29,6 +28,16 @@ from ds4_mlx.chat.dsml import (
     request_tool_calls,
     tool_call_pieces,
 )
+from ds4_mlx.chat.effort import (
+    ABSOLUTE_MAX_PREFIX,
+    PREVIEW_RULES,
+    THINK_MAX_MIN_CONTEXT,
+    Effort,
+    EffortRules,
+    ThinkMode,
+    as_effort,
+)
+from ds4_mlx.chat.effort import as_mode as _as_mode
 from ds4_mlx.chat.messages import ToolCall
 from ds4_mlx.chat.pieces import Piece, PieceTokenizer, ctl, encode_pieces, join, txt
 from ds4_mlx.errors import ChatError
@@ -40,17 +49,9 @@ ASSISTANT = "<｜Assistant｜>"
 
 DEFAULT_SYSTEM = "You are a helpful assistant"
 DEFAULT_CTX = 32768
-THINK_MAX_MIN_CONTEXT = 393216  # DeepSeek recommends Think Max only with >= 384K tokens of context
-
-MAX_EFFORT_PREFIX = (
-    "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
-    "You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve "
-    "the root cause, rigorously stress-testing your logic against all potential paths, edge cases, "
-    "and adversarial scenarios.\n"
-    "Explicitly write out your entire deliberation process, documenting every intermediate step, "
-    "considered alternative, and rejected hypothesis to ensure absolutely no assumption is left "
-    "unchecked.\n\n"
-)
+# The preview's Think Max paragraph (ds4's DS4_REASONING_EFFORT_MAX_PREFIX); chat/effort.py has
+# every checkpoint's prefixes.
+MAX_EFFORT_PREFIX = ABSOLUTE_MAX_PREFIX
 
 TOOLS_PROMPT = (
     "## Tools\n\n"
@@ -90,31 +91,10 @@ TOOL_RESULT_CLOSE = "</tool_result>"
 # Thinking modes
 
 
-class ThinkMode(enum.Enum):
-    NONE = "none"
-    HIGH = "high"
-    MAX = "max"
-
-    @property
-    def enabled(self) -> bool:
-        return self is not ThinkMode.NONE
-
-
-def _as_mode(mode: ThinkMode | str) -> ThinkMode:
-    if isinstance(mode, ThinkMode):
-        return mode
-    try:
-        return ThinkMode(mode)
-    except ValueError:
-        raise ChatError(f"unknown thinking mode {mode!r} (expected none, high or max)") from None
-
-
 def resolve_think_mode(mode: ThinkMode | str, ctx: int) -> ThinkMode:
-    """MAX silently becomes HIGH below 393216 tokens of context [ds4_think_mode_for_context]."""
-    mode = _as_mode(mode)
-    if mode is ThinkMode.MAX and max(ctx, 0) < THINK_MAX_MIN_CONTEXT:
-        return ThinkMode.HIGH
-    return mode
+    """Under ds4's (the preview's) rules: MAX becomes HIGH below 393216 tokens of context
+    [ds4_think_mode_for_context]. A checkpoint's own rules: ``EffortRules.effort``."""
+    return PREVIEW_RULES.effort(mode, ctx).mode
 
 
 def think_mode_from_effort(name: str) -> ThinkMode:
@@ -191,29 +171,30 @@ def append_assistant_prefix(tokenizer: ChatTokenizer, tokens: list[int], think: 
 
 
 def encode_chat_prompt(tokenizer: ChatTokenizer, user_text: str, system: str | None = DEFAULT_SYSTEM,
-                       think: ThinkMode | str = ThinkMode.HIGH, ctx: int = DEFAULT_CTX) -> list[int]:
-    """One-shot CLI prompt [encode_chat_prompt]: BOS, [MAX prefix], [system], User, user text,
-    Assistant, ``<think>``/``</think>``.  ``system`` empty or None means no system text."""
-    mode = resolve_think_mode(think, ctx)
+                       think: ThinkMode | str | Effort = ThinkMode.HIGH, ctx: int = DEFAULT_CTX) -> list[int]:
+    """One-shot CLI prompt [encode_chat_prompt]: BOS, [effort prefix], [system], User, user text,
+    Assistant, ``<think>``/``</think>``.  ``system`` empty or None means no system text.  ``think``:
+    an Effort (a checkpoint's rules applied), or a level under the preview's rules."""
+    effort = as_effort(think, ctx)
     tokens = chat_begin(tokenizer)
-    if mode is ThinkMode.MAX:
-        append_max_effort_prefix(tokenizer, tokens)
+    if effort.prefix:
+        tokens.extend(tokenizer.encode(effort.prefix))
     if system:
         tokens.extend(tokenizer.encode(system))
     tokens.append(_special_id(tokenizer, USER))
     tokens.extend(tokenizer.encode(user_text))
-    append_assistant_prefix(tokenizer, tokens, mode)
+    append_assistant_prefix(tokenizer, tokens, effort.mode)
     return tokens
 
 
-def encode_next_turn(tokenizer: ChatTokenizer, user_text: str, think: ThinkMode | str = ThinkMode.HIGH,
+def encode_next_turn(tokenizer: ChatTokenizer, user_text: str, think: ThinkMode | str | Effort = ThinkMode.HIGH,
                      ctx: int = DEFAULT_CTX) -> list[int]:
     """Tokens the CLI appends after a generated assistant turn to start the next one: EOS, User,
     user text, Assistant, think tag.  (A change into or out of Think Max also moves the prefix
     after BOS; :class:`ChatTranscript` handles that.)"""
     tokens = [tokenizer.eos_id]
     append_message(tokenizer, tokens, "user", user_text)
-    append_assistant_prefix(tokenizer, tokens, resolve_think_mode(think, ctx))
+    append_assistant_prefix(tokenizer, tokens, as_effort(think, ctx).mode)
     return tokens
 
 
@@ -222,57 +203,62 @@ class ChatTranscript:
 
     Generated tokens (reasoning included) are kept verbatim, and each finished assistant turn is
     closed with EOS, so every new turn extends the previous prompt and the KV cache is reused.  The
-    Think Max prefix lives right after BOS and is inserted or removed when the effective mode
-    changes (which invalidates any cache of this transcript)."""
+    effort prefix (the checkpoint's text for the level in effect, ``rules``) lives right after BOS
+    and is inserted, swapped or removed when the effective level changes (which invalidates any
+    cache of this transcript)."""
 
     def __init__(self, tokenizer: ChatTokenizer, system: str | None = DEFAULT_SYSTEM,
-                 think: ThinkMode | str = ThinkMode.HIGH, ctx: int = DEFAULT_CTX) -> None:
+                 think: ThinkMode | str = ThinkMode.HIGH, ctx: int = DEFAULT_CTX,
+                 rules: EffortRules = PREVIEW_RULES) -> None:
         self.tokenizer = tokenizer
-        self.think = _as_mode(think)
+        self.rules = rules
+        self.think = rules.default if think is True else _as_mode("none" if think is False else think)
         self.ctx = ctx
         self.tokens = chat_begin(tokenizer)
-        self._max_prefix_len = 0
+        self._prefix: list[int] = []
         self._turn_start: int | None = None
-        self._apply_max_prefix(resolve_think_mode(self.think, ctx) is ThinkMode.MAX)
+        self._apply_prefix(self.effort)
         if system:
             append_message(tokenizer, self.tokens, "system", system)
 
     @classmethod
     def from_tokens(cls, tokenizer: ChatTokenizer, tokens: Sequence[int], think: ThinkMode | str = ThinkMode.HIGH,
-                    ctx: int = DEFAULT_CTX) -> "ChatTranscript":
+                    ctx: int = DEFAULT_CTX, rules: EffortRules = PREVIEW_RULES) -> "ChatTranscript":
         """Continue a saved transcript (``tokens`` taken from ``.tokens`` between turns, so it starts
-        with BOS); a Think Max prefix right after BOS is recognised, so later mode changes can
-        remove it as they would have in the original conversation."""
+        with BOS); an effort prefix of ``rules`` right after BOS is recognised, so later level
+        changes can swap or remove it as they would have in the original conversation."""
         tokens = [int(t) for t in tokens]
         if not tokens or tokens[0] != tokenizer.bos_id:
             raise ChatError("a chat transcript must start with the BOS token")
-        out = cls(tokenizer, system=None, think=ThinkMode.NONE, ctx=ctx)
+        out = cls(tokenizer, system=None, think=ThinkMode.NONE, ctx=ctx, rules=rules)
         out.think = _as_mode(think)
-        prefix: list[int] = []
-        append_max_effort_prefix(tokenizer, prefix)
-        if tokens[1:1 + len(prefix)] == prefix:
-            out._max_prefix_len = len(prefix)
+        for text in sorted(set(rules.prefixes.values()), key=len, reverse=True):
+            prefix = tokenizer.encode(text)
+            if tokens[1:1 + len(prefix)] == prefix:
+                out._prefix = prefix
+                break
         out.tokens = tokens
         return out
 
     @property
-    def effective_think(self) -> ThinkMode:
-        return resolve_think_mode(self.think, self.ctx)
+    def effort(self) -> Effort:
+        return self.rules.effort(self.think, self.ctx)
 
-    def _apply_max_prefix(self, enable: bool) -> None:
-        if enable and not self._max_prefix_len:
-            prefix: list[int] = []
-            append_max_effort_prefix(self.tokenizer, prefix)
-            self.tokens[1:1] = prefix
-            self._max_prefix_len = len(prefix)
-        elif not enable and self._max_prefix_len:
-            del self.tokens[1 : 1 + self._max_prefix_len]
-            self._max_prefix_len = 0
+    @property
+    def effective_think(self) -> ThinkMode:
+        return self.effort.mode
+
+    def _apply_prefix(self, effort: Effort) -> None:
+        want = self.tokenizer.encode(effort.prefix) if effort.prefix else []
+        if want != self._prefix:
+            self.tokens[1:1 + len(self._prefix)] = want
+            self._prefix = want
 
     def begin_turn(self, user_text: str) -> list[int]:
         """Append the user turn and the assistant prefix; returns the whole prompt to evaluate."""
-        mode = self.effective_think
-        self._apply_max_prefix(mode is ThinkMode.MAX)
+        effort = self.effort
+        self._apply_prefix(effort)
+        mode = effort.mode
         self._turn_start = len(self.tokens)
         append_message(self.tokenizer, self.tokens, "user", user_text)
         append_assistant_prefix(self.tokenizer, self.tokens, mode)
@@ -507,16 +493,16 @@ def _render_turns(msgs: Sequence[_Msg], start: int, think: bool, keep_reasoning)
     return out
 
 
-def message_pieces(messages: Sequence[Mapping], tools=None, think: ThinkMode | str = ThinkMode.HIGH,
+def message_pieces(messages: Sequence[Mapping], tools=None, think: ThinkMode | str | Effort = ThinkMode.HIGH,
                    ctx: int = DEFAULT_CTX) -> list[Piece]:
     """:func:`render_messages` as typed pieces (markup vs request text)."""
-    mode = resolve_think_mode(think, ctx)
+    mode = as_effort(think, ctx)
     msgs = [_normalize(m, i) for i, m in enumerate(messages)]
     schemas = render_tool_schemas(tools)
     tool_context = _uses_tool_context(msgs, schemas)
     # Tool schemas come first so a dynamic tail in the client's system text does not sit in the
     # middle of the large, cacheable schema block.
-    out = [ctl(BOS), ctl(MAX_EFFORT_PREFIX if mode is ThinkMode.MAX else "")]
+    out = [ctl(BOS), ctl(mode.prefix)]
     out += _tools_prompt_pieces(schemas)
     has_system = bool(schemas)
     for m in msgs:
@@ -560,7 +546,7 @@ def encode_messages(tokenizer: PieceTokenizer, messages: Sequence[Mapping], tool
 def tail_pieces(messages: Sequence[Mapping], start: int, think: ThinkMode | str = ThinkMode.HIGH,
                 ctx: int = DEFAULT_CTX) -> list[Piece]:
     """:func:`render_tail` as typed pieces."""
-    mode = resolve_think_mode(think, ctx)
+    mode = as_effort(think, ctx)
     msgs = [_normalize(m, i) for i, m in enumerate(messages)]
     return [ctl(EOS)] + _render_turns(msgs, start, mode.enabled, lambda i: True)
 
@@ -582,7 +568,7 @@ def encode_tail(tokenizer: PieceTokenizer, messages: Sequence[Mapping], start: i
 def assistant_suffix_pieces(content: str, reasoning: str | None, tool_calls: Iterable,
                             think: ThinkMode | str, raw_dsml: str | None = None) -> list[Piece]:
     """:func:`render_assistant_suffix` as typed pieces."""
-    head = [txt(reasoning or ""), ctl(THINK_CLOSE)] if _as_mode(think).enabled else []
+    head = [txt(reasoning or ""), ctl(THINK_CLOSE)] if as_effort(think, 0).enabled else []
     return head + [txt(content)] + tool_call_pieces(tool_calls, raw_dsml) + [ctl(EOS)]
 
 

@@ -48,6 +48,9 @@ def engine_rows(engine) -> list[tuple[str, object]]:
         ("file", str(engine.path)),
         ("size", human_bytes(file_size(engine.path))),
         ("name", cfg.name or "-"),
+        ("checkpoint", str(engine.checkpoint_info)),
+        ("thinking", f"{', '.join(m.value for m in engine.effort_rules.levels)} "
+                     f"(default {engine.effort_rules.default.value})"),
         ("layers", cfg.n_layer),
         ("embedding", cfg.n_embd),
         ("heads", f"{cfg.n_head} (head dim {cfg.head_dim})"),

@@ -24,8 +24,11 @@ from ds4_mlx.chat.template import (
     encode_chat_prompt,
     message_pieces,
 )
+from ds4_mlx.chat.effort import RULES, Effort
 from ds4_mlx.chat.pieces import Piece, ctl, encode_pieces, join
 from ds4_mlx.errors import ChatError, InferenceError
+from ds4_mlx.formats.checkpoint import CheckpointInfo, detect_checkpoint, parse_checkpoint
+from ds4_mlx.formats.gguf import GGUFFile
 from ds4_mlx.tokenizer import Tokenizer
 
 
@@ -40,18 +43,21 @@ def resolve_model_path(path_or_repo: str | os.PathLike) -> Path:
     return Path(resolve_model(spec))
 
 
-def as_think_mode(think) -> ThinkMode:
-    """``think`` as a ThinkMode: a ThinkMode, "none" / "high" / "max", or a bool (True = high)."""
+def as_think_mode(think, default: ThinkMode = ThinkMode.HIGH) -> ThinkMode:
+    """``think`` as a ThinkMode: a ThinkMode, "none" / "low" / "high" / "max", or a bool (True =
+    ``default``, the checkpoint's default level)."""
     if isinstance(think, ThinkMode):
         return think
+    if isinstance(think, Effort):  # already decided by a checkpoint's rules (the server's requests)
+        return think.mode
     if isinstance(think, bool):
-        return ThinkMode.HIGH if think else ThinkMode.NONE
+        return default if think else ThinkMode.NONE
     if isinstance(think, str):
         try:
             return ThinkMode(think)
         except ValueError:
             pass
-    raise ChatError(f"think must be True/False or one of 'none', 'high', 'max', got {think!r}")
+    raise ChatError(f"think must be True/False or one of 'none', 'low', 'high', 'max', got {think!r}")
 
 
 class Engine:
@@ -62,16 +68,21 @@ class Engine:
     """
 
     def __init__(self, network, tokenizer: Tokenizer, path: str | os.PathLike, *, load_time: float = 0.0,
-                 model_id: bytes | None = None):
+                 model_id: bytes | None = None, checkpoint: CheckpointInfo | None = None):
         self.network = network
         self.tokenizer = tokenizer
         self.path = Path(path)
+        # Which checkpoint (preview / 0731) and so which thinking levels: decided once, at open.
+        self.checkpoint_info = checkpoint or detect_checkpoint(network.source.metadata, self.path)
+        self.effort_rules = RULES[self.checkpoint_info.checkpoint]
         self.load_time = load_time  # seconds spent in open (mmap, tables, tokenizer)
         self._model_id = model_id
 
     @classmethod
-    def open(cls, path: str | os.PathLike, numerics: str = "default", **kwargs) -> "Engine":
+    def open(cls, path: str | os.PathLike, numerics: str = "default", *, checkpoint=None, **kwargs) -> "Engine":
         """Open a GGUF (or an ``hf:REPO/FILE`` spec); ``kwargs`` go to ``model.loader.load``.
+        ``checkpoint``: "preview" / "0731" for a file whose name and metadata do not say
+        (``formats.checkpoint``); None decides from the file.
 
         With ``distributed`` ("pipeline" / "experts") only rank 0 returns: every other rank follows
         rank 0's commands here and exits (``SystemExit(0)``) when rank 0 ends, so one script runs on
@@ -80,6 +91,10 @@ class Engine:
 
         t0 = time.perf_counter()
         path = resolve_model_path(path)
+        if checkpoint is not None:
+            parse_checkpoint(checkpoint)  # a bad value fails before the file is read
+        with GGUFFile(path) as header:  # the header only (mmap): a variant we cannot run is refused first
+            info = detect_checkpoint(header.metadata, path, checkpoint)
         network = load_network(path, numerics=numerics, **kwargs)
         if getattr(network, "rank", 0) != 0:
             # A rank other than 0 (``model.distributed``): it serves its part for rank 0, which owns
@@ -88,13 +103,26 @@ class Engine:
             raise SystemExit(0)
         # the network keeps its GGUFFile open: build the tokenizer from it rather than reopening the file
         tokenizer = Tokenizer.from_gguf(network.source)
-        return cls(network, tokenizer, path, load_time=time.perf_counter() - t0)
+        return cls(network, tokenizer, path, load_time=time.perf_counter() - t0, checkpoint=info)
 
     # -- identity ------------------------------------------------------------------------------------
 
     @property
     def config(self):
         return self.network.config
+
+    @property
+    def checkpoint(self) -> str:
+        """"preview" or "0731": the checkpoint whose chat rules (thinking levels) this model follows."""
+        return self.checkpoint_info.checkpoint.value
+
+    def effort(self, think=True, ctx: int | None = None) -> Effort:
+        """The thinking level in effect for ``think`` (True: this checkpoint's default; False/"none",
+        "low", "high", "max") at context ``ctx``, with the text it puts after BOS."""
+        if isinstance(think, Effort):
+            return think
+        return self.effort_rules.effort(as_think_mode(think, self.effort_rules.default),
+                                        self.default_ctx() if ctx is None else ctx)
 
     @property
     def numerics(self) -> str:
@@ -150,7 +178,8 @@ class Engine:
         from ds4_mlx.engine.describe import file_size, human_bytes
 
         cfg = self.config
-        return (f"Engine(path={str(self.path)!r}, size={human_bytes(file_size(self.path))}, layers={cfg.n_layer}, "
+        return (f"Engine(path={str(self.path)!r}, checkpoint={self.checkpoint!r}, "
+                f"size={human_bytes(file_size(self.path))}, layers={cfg.n_layer}, "
                 f"experts={cfg.n_expert}/{cfg.n_expert_used} ({self.experts}), numerics={self.numerics!r}, "
                 f"vocab={cfg.n_vocab}, context_max={cfg.context_length})")
 
@@ -178,17 +207,17 @@ class Engine:
     # -- prompts -------------------------------------------------------------------------------------
 
     def encode_prompt(self, text: str, *, raw: bool = False, system: str | None = DEFAULT_SYSTEM,
-                      think: ThinkMode = ThinkMode.HIGH, ctx: int = DEFAULT_CTX) -> list[int]:
-        """Tokens for a prompt as ds4's CLI builds them.
+                      think=True, ctx: int = DEFAULT_CTX) -> list[int]:
+        """Tokens for a prompt as ds4's CLI builds them (``think``: see :meth:`effort`).
 
         ``raw`` (or text that already starts with the BOS marker, as ds4 detects) tokenizes the text
         as a rendered prompt with the special markers recognised; otherwise the CLI chat template.
         """
         if raw or text.startswith(BOS):
             return self.tokenizer.encode_rendered(text)
-        return encode_chat_prompt(self.tokenizer, text, system=system or "", think=think, ctx=ctx)
+        return encode_chat_prompt(self.tokenizer, text, system=system or "", think=self.effort(think, ctx), ctx=ctx)
 
-    def apply_chat_template(self, messages, tools=None, *, think=ThinkMode.HIGH,
+    def apply_chat_template(self, messages, tools=None, *, think=True,
                             system: str | None = DEFAULT_SYSTEM, add_generation_prompt: bool = True,
                             tokenize: bool = True, ctx: int = DEFAULT_CTX) -> list[int] | str:
         """The prompt for a conversation, as token ids (or text with ``tokenize=False``).
@@ -203,12 +232,13 @@ class Engine:
         (``<｜User｜>``...) typed inside a message is plain text, never a control token (the ids
         ``ds4-mlx serve`` and ``tokenize --messages`` give for the same messages).  One case still
         differs: with Think Max a system text that starts with whitespace is BPE'd together with the Max prefix's final
-        blank line in the messages form, separately in the string form.  ``think``: True/False/"none"/"high"/"max";
-        Think Max applies only when ``ctx`` >= 393216 (ds4's rule).  ``tools``: OpenAI tool
+        blank line in the messages form, separately in the string form.  ``think``: True (this
+        checkpoint's default level)/False/"none"/"low"/"high"/"max", rendered with the checkpoint's
+        rules (``chat/effort.py``); the top level applies only when ``ctx`` >= 393216 (ds4's rule).  ``tools``: OpenAI tool
         schemas (a string prompt then goes through the messages form).
         ``add_generation_prompt=False`` leaves off the trailing ``<｜Assistant｜><think>``.
         """
-        mode = as_think_mode(think)
+        mode = self.effort(think, ctx)
         if system is not None and not isinstance(system, str):
             raise ChatError(f"system must be a string or None, got {type(system).__name__}")
         if isinstance(messages, str):

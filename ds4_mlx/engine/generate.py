@@ -40,7 +40,7 @@ import numpy as np
 
 from ds4_mlx.chat.dsml_stream import DsmlStreamParser, StreamEnd, ToolCallEnd
 from ds4_mlx.chat.messages import ToolCall
-from ds4_mlx.chat.template import DEFAULT_SYSTEM, THINK_CLOSE, THINK_OPEN, ThinkMode, resolve_think_mode
+from ds4_mlx.chat.template import DEFAULT_SYSTEM, THINK_CLOSE, THINK_OPEN, ThinkMode
 from ds4_mlx.engine.sampling import SamplingParams, XorShiftRng, argmax, sample, token_logprob, top_logprobs
 from ds4_mlx.errors import InferenceError
 from ds4_mlx.tokenizer.utf8_stream import Utf8StreamDecoder
@@ -197,7 +197,7 @@ def _cancel_check(cancel) -> Callable[[], bool]:
     raise GenerationError(f"cancel must be a callable or an Event, got {type(cancel).__name__}")
 
 
-def _prompt_ids(model, prompt, *, raw: bool, system, think: ThinkMode, tools, ctx: int) -> list[int]:
+def _prompt_ids(model, prompt, *, raw: bool, system, think, tools, ctx: int) -> list[int]:
     n_vocab = model.config.n_vocab
     if isinstance(prompt, str):
         if not prompt and raw:
@@ -306,7 +306,7 @@ def sync_report_lines(report) -> list[tuple[str, object]]:
 
 
 def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float = 1.0, top_p: float = 1.0,
-                    min_p: float = 0.05, top_k: int = 0, seed: int | None = None, think=ThinkMode.HIGH,
+                    min_p: float = 0.05, top_k: int = 0, seed: int | None = None, think=True,
                     system: str | None = DEFAULT_SYSTEM, raw: bool = False, stop=None, tools=None,
                     session=None, logprobs: int = 0, progress: Callable[[int, int, float], None] | None = None,
                     ctx: int | None = None, kv_cache=None, kv_cache_save_on_exit: bool = False,
@@ -316,8 +316,9 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
     ``model``: ``ds4_mlx.load(...)``. ``prompt``: a string (ds4's CLI chat template, or tokenized
     as given with ``raw=True`` or when it starts with the BOS marker), a list of OpenAI-style
     messages (``Engine.apply_chat_template``), or a list of token ids (used as is).
-    ``temperature`` 0 is greedy; ``seed`` None or 0 is time-based. ``think``: True/False/"none"/
-    "high"/"max" (Max needs ctx >= 393216, else a notice and normal thinking). ``stop``: strings
+    ``temperature`` 0 is greedy; ``seed`` None or 0 is time-based. ``think``: True (the
+    checkpoint's default level: high on the preview, low on 0731)/False/"none"/"low"/"high"/"max"
+    (the top level needs ctx >= 393216, else a notice and high). ``stop``: strings
     that end the generation (not included in the text). ``tools``: OpenAI tool schemas; a closed
     tool block then ends the generation with finish "tool_calls", and DSML markup is sampled
     greedily as ds4-server does; ``tool_choice="none"`` drops them (OpenAI's meaning; a request
@@ -352,7 +353,7 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
         raise GenerationError(f"progress must be callable, got {type(progress).__name__}")
     if system is not None and not isinstance(system, str):
         raise GenerationError(f"system must be a string or None, got {type(system).__name__}")
-    mode = as_think_mode(think)
+    as_think_mode(think)  # a bad value fails before a session is made
     if tool_choice == "none":
         tools = None
     if session is None:
@@ -367,14 +368,15 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
         if ctx is not None and ctx != session.ctx:
             raise GenerationError(f"ctx={ctx} differs from the session's ctx {session.ctx}")
     ctx = session.ctx
-    effective = resolve_think_mode(mode, ctx)
-    ids = _prompt_ids(model, prompt, raw=raw, system=system, think=mode, tools=tools, ctx=ctx)
+    effective = model.effort(think, ctx)  # the checkpoint's level for ``think`` at this context
+    ids = _prompt_ids(model, prompt, raw=raw, system=system, think=effective, tools=tools, ctx=ctx)
     if len(ids) >= ctx:
         raise GenerationError(f"prompt of {len(ids)} tokens does not fit ctx {ctx} (at most {ctx - 1})")
 
     stats = GenerationStats(prompt_tokens=len(ids), load_time_s=model.load_time, think=effective.value)
-    if effective is not mode:
-        stats.notices.append(f"Think Max needs ctx >= 393216 (ctx is {ctx}): using normal thinking")
+    if effective.downgraded:
+        stats.notices.append(f"Think Max (level {effective.requested.value}) needs ctx >= 393216 (ctx is {ctx}): "
+                             f"using level {effective.value}")
         yield GenerationEvent("notice", stats.notices[-1])
 
     tokenizer = model.tokenizer

@@ -19,11 +19,12 @@ a short greedy continuation, step by step, as ds4's ``test_logprob_vector_case``
 
 ds4 skips ``long_memory_archive`` (``test_logprob_vector_case_disabled``: after ds4 adopted the
 official Hadamard+FP4 indexer this long case matches the public API less, while the official graph
-scores a slightly lower perplexity; ds4 keeps the official graph), and so do we by default.
+scores a slightly lower perplexity; ds4 keeps the official graph) for the preview set, and so do
+we; its 0731 fixture runs all five.
 
 Sets. The vectors ship in the package, one folder per model checkpoint under
 ``ds4_mlx/vectors_data/`` (``preview``: the May 2026 DeepSeek V4 Flash the vectors were captured
-from). A folder holds ds4's ``manifest.json``, ``prompts/<id>.txt`` and the API's records
+from; ``0731``: ds4's ``flash-0731`` fixture, captured 2026-08-03 from the API serving 0731). A folder holds ds4's ``manifest.json``, ``prompts/<id>.txt`` and the API's records
 ``official/<id>.official.json`` (stored as ``.json.xz``; either is read). A manifest entry may give
 ``ctx``; otherwise the context is ds4's for that id (``CTX_BY_ID``, which its fixture writer uses).
 ``load_vector_dir`` reads any folder of that layout (the tests write one from the tiny model).
@@ -64,6 +65,8 @@ CTX_BY_ID = {
 }
 # ds4_test.c test_logprob_vector_case_disabled (see the module docstring)
 DS4_SKIPPED = {"long_memory_archive": "ds4 skips it: API/official graph mismatch"}
+# ds4 skips that case for its pre-0731 fixture only (tests/ds4_test.c, Aug 2026): the 0731 set runs all.
+SKIPPED_BY_SET = {"preview": DS4_SKIPPED}
 
 
 class VectorError(Ds4Error):
@@ -98,6 +101,14 @@ class VectorSet:
     model: str
     root: Path
     cases: tuple[VectorCase, ...]
+    # the checkpoint the vectors were captured from: the manifest's "checkpoint" (ds4 writes it
+    # since its 0731 fixture), "preview" for the earlier manifests that have none
+    checkpoint: str = "preview"
+
+    @property
+    def skipped(self) -> Mapping[str, str]:
+        """The cases ds4 skips for this set's checkpoint, with the reason."""
+        return SKIPPED_BY_SET.get(self.checkpoint, {})
 
     @property
     def ids(self) -> list[str]:
@@ -352,7 +363,9 @@ def load_vector_dir(root: str | os.PathLike, *, name: str | None = None) -> Vect
                                 kind=str(entry.get("kind", "")),
                                 api_prompt_tokens=api_tokens if isinstance(api_tokens, int) else None))
     model = manifest.get("model", "")
-    return VectorSet(name or root.name, model if isinstance(model, str) else "", root, tuple(cases))
+    checkpoint = manifest.get("checkpoint", "preview")
+    return VectorSet(name or root.name, model if isinstance(model, str) else "", root, tuple(cases),
+                     checkpoint if isinstance(checkpoint, str) else "preview")
 
 
 # -- the run -------------------------------------------------------------------------------------------
@@ -384,11 +397,12 @@ def run_case(engine, case: VectorCase) -> VectorResult:
 
 def run_vectors(engine, cases: VectorSet | Sequence[VectorCase] | None = None, *,
                 vector_set: str = DEFAULT_SET, only: Iterable[str] | None = None,
-                skip: Mapping[str, str] = DS4_SKIPPED,
+                skip: Mapping[str, str] | None = None,
                 on_case: Callable[[VectorCase], None] | None = None) -> list[VectorResult]:
     """Check ``engine`` against vectors: ``cases`` (a ``VectorSet`` or a list of cases; default the
     shipped set ``vector_set``), narrowed to the ids in ``only``. Cases whose id is in ``skip``
-    (default: the one ds4 skips) are reported "skipped" with its reason, not run. ``on_case(case)``
+    (default: what ds4 skips for that set, ``SKIPPED_BY_SET``) are reported "skipped" with its
+    reason, not run. ``on_case(case)``
     is called before each case runs."""
     from ds4_mlx.engine.engine import Engine
 
@@ -396,6 +410,8 @@ def run_vectors(engine, cases: VectorSet | Sequence[VectorCase] | None = None, *
         raise VectorError(f"run_vectors needs the model ds4_mlx.load() returns, got {type(engine).__name__}")
     if cases is None:
         cases = load_vector_set(vector_set)
+    if skip is None:
+        skip = cases.skipped if isinstance(cases, VectorSet) else DS4_SKIPPED
     if isinstance(cases, VectorSet):
         chosen = cases.select(only)
     else:

@@ -159,6 +159,9 @@ def add_model_options(p: argparse.ArgumentParser, *, distributed: bool = False) 
                    help="routed experts: device (blocks resident in GPU memory, routing on the device), "
                         "host (routing on the CPU, slabs read from the mmap); auto = device on a GPU, "
                         "host on the CPU (default)")
+    p.add_argument("--checkpoint", choices=["preview", "0731"], default=None,
+                   help="which DeepSeek V4 Flash checkpoint the file holds, for a file whose name and "
+                        "metadata do not say (default: decided from the file; ds4's 0731 files are named *-0731.gguf)")
     if distributed:
         p.add_argument("--distributed", choices=DISTRIBUTED_MODES, default=None,
                        help="run over the ranks started by mlx.launch (rank 0 prints; e.g. mlx.launch -n 2 "
@@ -170,7 +173,8 @@ def add_model_options(p: argparse.ArgumentParser, *, distributed: bool = False) 
 
 def model_options(args: argparse.Namespace) -> dict:
     """The ``ds4_mlx.load`` / ``Engine.open`` keywords of the options ``add_model_options`` added."""
-    return {"numerics": args.numerics, "experts": args.experts, "distributed": args.distributed}
+    return {"numerics": args.numerics, "experts": args.experts, "distributed": args.distributed,
+            "checkpoint": getattr(args, "checkpoint", None)}
 
 
 def add_system_option(p: argparse.ArgumentParser) -> None:
@@ -195,17 +199,23 @@ def add_disk_cache_options(p: argparse.ArgumentParser):
 
 
 def add_think_options(p: argparse.ArgumentParser, help_prefix: str = "") -> None:
-    """``--think`` (the default) | ``--think-max`` | ``--nothink``, into ``args.think`` as the
-    template's mode names; one definition for every command that renders a chat prompt.
-    ``help_prefix`` says when the options apply (``tokenize``: "--chat: ")."""
+    """``--think`` (the default: thinking at the checkpoint's default level, True) |
+    ``--think-low`` | ``--think-high`` | ``--think-max`` | ``--nothink``, into ``args.think`` (True
+    or a level name, which the loaded checkpoint's rules read: chat/effort.py); one definition for
+    every command that renders a chat prompt. ``help_prefix`` says when the options apply
+    (``tokenize``: "--chat: ")."""
     think = p.add_mutually_exclusive_group()
-    think.add_argument("--think", dest="think", action="store_const", const="high",
-                       help=f"{help_prefix}thinking mode (default)")
+    think.add_argument("--think", dest="think", action="store_const", const=True,
+                       help=f"{help_prefix}thinking at the checkpoint's default level (default; preview: high, 0731: low)")
+    think.add_argument("--think-low", dest="think", action="store_const", const="low",
+                       help=f"{help_prefix}thinking, level low (0731: no effort prefix; the preview has no low: high)")
+    think.add_argument("--think-high", dest="think", action="store_const", const="high",
+                       help=f"{help_prefix}thinking, level high (0731: the 'Absolute maximum' effort prefix)")
     think.add_argument("--think-max", dest="think", action="store_const", const="max",
-                       help=f"{help_prefix}Think Max when --ctx >= 393216, else normal thinking")
+                       help=f"{help_prefix}Think Max when --ctx >= 393216, else level high")
     think.add_argument("--nothink", dest="think", action="store_const", const="none",
                        help=f"{help_prefix}answer directly (the assistant turn starts with </think>)")
-    p.set_defaults(think="high")
+    p.set_defaults(think=True)
 
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:

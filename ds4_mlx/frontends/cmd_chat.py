@@ -51,13 +51,16 @@ CHAT_FORMAT, CHAT_VERSION = "ds4-mlx-chat", 1
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}\Z")
 FAINT, RESET = "\x1b[2m", "\x1b[0m"
 
-COMMANDS = ("/help", "/think", "/think-max", "/nothink", "/ctx", "/read", "/save", "/load", "/reset",
+COMMANDS = ("/help", "/think", "/think-low", "/think-high", "/think-max", "/nothink", "/ctx", "/read", "/save", "/load", "/reset",
             "/quit", "/exit")
 
 HELP = f"""Commands:
   /help          show this help
-  /think         think before answering (the default)
-  /think-max     Think Max (only with ctx >= 393216, else normal thinking)
+  /think         think before answering, at the checkpoint's default level (the default;
+                 preview: high, 0731: low)
+  /think-low     thinking level low (0731: no effort prefix; the preview has no low: high)
+  /think-high    thinking level high (0731: the "Absolute maximum" effort prefix)
+  /think-max     Think Max (only with ctx >= 393216, else level high)
   /nothink       answer directly, no reasoning
   /ctx N         new session of N tokens of context (the KV state resets; the conversation is
                  prefilled again with the next message, or reset if it no longer fits)
@@ -310,7 +313,8 @@ class ChatRepl:
         self.system = DEFAULT_SYSTEM if args.system is None else args.system
         self.chat_dir = Path(args.chat_dir) if args.chat_dir else default_cache_dir() / "chats"
         self.session = self._new_session(args.ctx)
-        self.transcript = ChatTranscript(engine.tokenizer, system=self.system, think=args.think, ctx=args.ctx)
+        self.transcript = ChatTranscript(engine.tokenizer, system=self.system, think=args.think, ctx=args.ctx,
+                                         rules=engine.effort_rules)
         self.disk = self._open_disk_cache(args.ctx) if args.kv_disk_dir else None
         self.reader = LineReader(stdin, stdout, stderr, interactive=self.interactive,
                                  history=default_cache_dir() / "chat_history")
@@ -380,7 +384,8 @@ class ChatRepl:
         if name in ("/quit", "/exit"):
             return False
         handler = {
-            "/help": self.cmd_help, "/think": self.cmd_think, "/think-max": self.cmd_think_max,
+            "/help": self.cmd_help, "/think": self.cmd_think, "/think-low": self.cmd_think_low,
+            "/think-high": self.cmd_think_high, "/think-max": self.cmd_think_max,
             "/nothink": self.cmd_nothink, "/ctx": self.cmd_ctx, "/read": self.cmd_read,
             "/save": self.cmd_save, "/load": self.cmd_load, "/reset": self.cmd_reset,
         }.get(name)
@@ -462,14 +467,20 @@ class ChatRepl:
     def _set_think(self, name: str, arg: str, mode: ThinkMode) -> None:
         self._no_arg(name, arg)
         self.transcript.think = mode
-        eff = self.transcript.effective_think
-        if eff is not mode:
-            self.say(f"thinking mode: high (Think Max needs ctx >= 393216, ctx is {self.session.ctx})")
+        eff = self.transcript.effort
+        if eff.downgraded:
+            self.say(f"thinking mode: {eff.value} (Think Max needs ctx >= 393216, ctx is {self.session.ctx})")
         else:
-            self.say(f"thinking mode: {mode.value}")
+            self.say(f"thinking mode: {eff.value}")
 
     def cmd_think(self, arg: str) -> None:
-        self._set_think("/think", arg, ThinkMode.HIGH)
+        self._set_think("/think", arg, self.engine.effort_rules.default)
+
+    def cmd_think_low(self, arg: str) -> None:
+        self._set_think("/think-low", arg, ThinkMode.LOW)
+
+    def cmd_think_high(self, arg: str) -> None:
+        self._set_think("/think-high", arg, ThinkMode.HIGH)
 
     def cmd_think_max(self, arg: str) -> None:
         self._set_think("/think-max", arg, ThinkMode.MAX)
@@ -497,7 +508,7 @@ class ChatRepl:
         else:
             self.say(f"ctx {ctx}: new session; the conversation ({n} tokens) is prefilled again with the next message")
         if self.transcript.think is ThinkMode.MAX:
-            self.say(f"thinking mode: {self.transcript.effective_think.value}")
+            self.say(f"thinking mode: {self.transcript.effort.value}")
 
     def cmd_read(self, arg: str) -> None:
         if not arg:
@@ -522,7 +533,7 @@ class ChatRepl:
 
     def _reset_transcript(self) -> None:
         self.transcript = ChatTranscript(self.engine.tokenizer, system=self.system, think=self.transcript.think,
-                                         ctx=self.session.ctx)
+                                         ctx=self.session.ctx, rules=self.engine.effort_rules)
 
     def cmd_reset(self, arg: str) -> None:
         self._no_arg("/reset", arg)
@@ -595,7 +606,7 @@ class ChatRepl:
         if not _is_int(n_kv) or not 0 <= n_kv <= len(tokens):
             raise ChatCommandError(f"{bad}: 'session_tokens' must be in 0..{len(tokens)}")
         if doc.get("think") not in [m.value for m in ThinkMode]:
-            raise ChatCommandError(f"{bad}: 'think' must be none, high or max")
+            raise ChatCommandError(f"{bad}: 'think' must be none, low, high or max")
         if doc.get("system") is not None and not isinstance(doc["system"], str):
             raise ChatCommandError(f"{bad}: 'system' must be a string")
         return doc
@@ -604,7 +615,8 @@ class ChatRepl:
         meta_path, payload_path = self._paths("/load", arg)
         doc = self._read_meta(arg, meta_path)
         ctx, tokens, n_kv = doc["ctx"], doc["tokens"], doc["session_tokens"]
-        transcript = ChatTranscript.from_tokens(self.engine.tokenizer, tokens, doc["think"], ctx)
+        transcript = ChatTranscript.from_tokens(self.engine.tokenizer, tokens, doc["think"], ctx,
+                                                rules=self.engine.effort_rules)
         # A fresh session, so a payload that fails to load leaves the current chat as it was.
         session = self._new_session(ctx)
         if n_kv:

@@ -78,7 +78,9 @@ def inspect_file(f: GGUFFile) -> dict[str, Any]:
     config = None
     layout: LayoutReport | None = None
     error = None
+    checkpoint = None
     try:
+        checkpoint = _checkpoint(f)
         cfg = ModelConfig.from_gguf(f)
         config = cfg.to_dict()
         layout = validate_layout(f, cfg)
@@ -99,6 +101,7 @@ def inspect_file(f: GGUFFile) -> dict[str, Any]:
         "tensor_bytes": f.tensor_bytes,
         "n_params": n_params,
         "config": config,
+        "checkpoint": checkpoint,
         "verdict": "OK" if error is None else "INVALID",
         "error": error,
         "routed_quant_bits": layout.routed_quant_bits if layout else routed_quant_bits(f),
@@ -106,6 +109,18 @@ def inspect_file(f: GGUFFile) -> dict[str, Any]:
         "blas": blas_status(),
         "native_experts": native_status(),
     }
+
+
+def _checkpoint(f: GGUFFile) -> dict[str, Any]:
+    """Which checkpoint the file holds and the thinking levels it gets (LayoutError for a variant
+    ds4-mlx cannot run)."""
+    from ds4_mlx.chat.effort import RULES
+    from ds4_mlx.formats.checkpoint import detect_checkpoint
+
+    info = detect_checkpoint(f.metadata, f.path)
+    rules = RULES[info.checkpoint]
+    return {"name": info.checkpoint.value, "title": info.checkpoint.title, "decided_by": info.source,
+            "thinking_levels": [m.value for m in rules.levels], "thinking_default": rules.default.value}
 
 
 def _field_summary(fl: MetadataField) -> dict[str, Any]:
@@ -235,6 +250,10 @@ def format_text(info: dict[str, Any], show_tensors: bool = True) -> str:
         w("config:")
         w("  " + ", ".join(f"{k}={_name(v) if isinstance(v, str) else v}" for k, v in info["config"].items()))
     w("")
+    ck = info.get("checkpoint")
+    if ck is not None:
+        w(f"checkpoint: {ck['title']} ({_clean(ck['decided_by'])}); thinking levels "
+          f"{', '.join(ck['thinking_levels'])}, default {ck['thinking_default']}")
     if info["verdict"] == "OK":
         lay = info["layout"]
         rt = lay["routed_types"]

@@ -204,15 +204,19 @@ def _follow_unless_rank_0(args: argparse.Namespace) -> None:
         Engine.open(args.model, **model_options(args))  # returns only on rank 0
 
 
-def run(args: argparse.Namespace, *, logits_hook=None) -> int:
-    """``logits_hook``: see :class:`~ds4_mlx.frontends.server.EngineBackend` (developer tools
-    script the answers of a random model with it; the CLI passes none)."""
-    _check(args)
-    if args.distributed:
-        _follow_unless_rank_0(args)
-    from ds4_mlx.frontends.server import EngineBackend, ServerConfig, create_app
+def server_parts(args: argparse.Namespace, *, logits_hook=None):
+    """The backend (not started) and the ServerConfig ``serve`` runs with these options."""
+    from ds4_mlx.chat.effort import RULES
+    from ds4_mlx.formats.checkpoint import detect_checkpoint
+    from ds4_mlx.formats.gguf import GGUFFile
+    from ds4_mlx.frontends.server import EngineBackend, ServerConfig
 
+    # The checkpoint decides how requests' thinking controls read; decided here, once, from the
+    # file's header, and the worker loads the model with the same answer.
+    with GGUFFile(args.model) as header:
+        checkpoint = detect_checkpoint(header.metadata, args.model, args.checkpoint)
     backend = EngineBackend(args.model, ctx=args.ctx, numerics=args.numerics, experts=args.experts,
+                            checkpoint=checkpoint.checkpoint.value,
                             distributed=args.distributed,
                             kv_disk_dir=args.kv_disk_dir,
                             kv_disk_space_mb=args.kv_disk_space_mb, sessions=args.sessions,
@@ -221,7 +225,20 @@ def run(args: argparse.Namespace, *, logits_hook=None) -> int:
     config = ServerConfig(ctx=args.ctx, model_id=args.model_id, api_key=args.api_key, cors=tuple(args.cors),
                           allowed_hosts=allowed_hosts(args.host, args.allow_host),
                           max_body_bytes=int(args.max_body_mb * 1024 * 1024),
-                          max_messages=args.max_messages, max_output=args.max_tokens, trace=args.trace)
+                          max_messages=args.max_messages, max_output=args.max_tokens, trace=args.trace,
+                          effort_rules=RULES[checkpoint.checkpoint])
+    return backend, config
+
+
+def run(args: argparse.Namespace, *, logits_hook=None) -> int:
+    """``logits_hook``: see :class:`~ds4_mlx.frontends.server.EngineBackend` (developer tools
+    script the answers of a random model with it; the CLI passes none)."""
+    _check(args)
+    if args.distributed:
+        _follow_unless_rank_0(args)
+    from ds4_mlx.frontends.server import create_app
+
+    backend, config = server_parts(args, logits_hook=logits_hook)
     app = create_app(backend, config)
     sockets = listen(args.host, args.port)
     try:

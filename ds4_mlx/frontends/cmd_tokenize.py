@@ -34,6 +34,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("tokenize", help="show token ids and pieces of a text",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-m", "--model", required=True, help="DS4 Flash GGUF file (only its tokenizer is read)")
+    p.add_argument("--checkpoint", choices=["preview", "0731"], default=None,
+                   help="the file's checkpoint, when its name and metadata do not say (its thinking levels)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--text", help="text to tokenize")
     src.add_argument("--file", help="read the text from this file (UTF-8)")
@@ -69,35 +71,39 @@ def _read_request(path: str):
         raise TokenizerError(f"{path}: not a JSON request body ({str(exc).splitlines()[0]})") from None
 
 
-def tokenize_request(tok: Tokenizer, args: argparse.Namespace) -> list[int]:
+def tokenize_request(tok: Tokenizer, args: argparse.Namespace, rules=None) -> list[int]:
     """The server's renderer (one function shared with ``serve``), then its tokenization; an
     Anthropic / Responses / completions body goes through the server's own parser first (the
     conversion of its transcript to messages is part of what the server prefills)."""
+    from ds4_mlx.chat.effort import PREVIEW_RULES
     from ds4_mlx.chat.request import encode_request, openai_body_ids
-    from ds4_mlx.chat.template import resolve_think_mode
 
+    rules = rules or PREVIEW_RULES
     body = _read_request(args.messages)
-    # --nothink / --think-max override; otherwise the body's own thinking controls decide
-    think = args.think if args.think in ("none", "max") else None
+    # an explicit --nothink / --think-LEVEL overrides; otherwise the body's own thinking controls decide
+    think = None if args.think is True else args.think
     if args.api == "chat":
-        ids, _ = openai_body_ids(tok, body, ctx=args.ctx, think=think)
+        ids, _ = openai_body_ids(tok, body, ctx=args.ctx, think=think, rules=rules)
         return ids
     from ds4_mlx.frontends.server import parse
     from ds4_mlx.frontends.server.http_errors import ApiError
 
     try:
-        req = parse.PARSERS[args.api](body, parse.Limits(ctx=args.ctx), {}).request
+        req = parse.PARSERS[args.api](body, parse.Limits(ctx=args.ctx, effort_rules=rules), {}).request
     except ApiError as exc:
         raise TokenizerError(f"{args.messages}: {exc.message}") from None
-    mode = resolve_think_mode(think, args.ctx) if think is not None else req.think
+    mode = rules.effort(think, args.ctx) if think is not None else req.think
     return encode_request(tok, req.messages, req.tools, req.tool_choice, mode, args.ctx)
 
 
-def tokenize_args(tok: Tokenizer, text: str, args: argparse.Namespace) -> list[int]:
+def tokenize_args(tok: Tokenizer, text: str, args: argparse.Namespace, rules=None) -> list[int]:
+    from ds4_mlx.chat.effort import PREVIEW_RULES
+
     if not args.chat:
         return tok.encode_rendered(text)
     system = DEFAULT_SYSTEM if args.system is None else args.system
-    return encode_chat_prompt(tok, text, system=system, think=args.think, ctx=args.ctx)
+    effort = (rules or PREVIEW_RULES).effort(args.think, args.ctx)
+    return encode_chat_prompt(tok, text, system=system, think=effort, ctx=args.ctx)
 
 
 def piece_repr(data: bytes) -> str:
@@ -108,13 +114,18 @@ def piece_repr(data: bytes) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ds4_mlx.chat.effort import RULES
+    from ds4_mlx.formats.checkpoint import detect_checkpoint
     from ds4_mlx.formats.gguf import GGUFFile
     from ds4_mlx.tokenizer import Tokenizer
 
     text = None if args.messages is not None else _read_text(args)
     with GGUFFile(args.model) as f:
         tok = Tokenizer.from_gguf(f)
-    ids = tokenize_request(tok, args) if text is None else tokenize_args(tok, text, args)
+        # the checkpoint's thinking levels, as a loaded model would read them
+        info = detect_checkpoint(f.metadata, args.model, getattr(args, "checkpoint", None))
+    rules = RULES[info.checkpoint]
+    ids = tokenize_request(tok, args, rules) if text is None else tokenize_args(tok, text, args, rules)
     out = sys.stdout
     if args.json:
         pieces = [tok.token_text(i).decode("utf-8", errors="backslashreplace") for i in ids]

@@ -4,10 +4,12 @@ check (``ds4_test --logprob-vectors``), the first thing to run with real weights
 Each case prompts the model with ds4's chat template (no system text, thinking off) and compares a
 short greedy continuation with the DeepSeek API's answer for it: the argmax token's bytes at every
 step, and each official top-logprob within 4.0 of ours (``ds4_mlx.engine.vectors`` has the exact
-rules). ``long_memory_archive`` is skipped, as ds4 skips it.
+rules). On the preview set ``long_memory_archive`` is skipped, as ds4 skips it there.
 
-The vectors ship with the package by checkpoint: ``--set preview`` (default) is the May 2026
-DeepSeek V4 Flash they were captured from. ``--dir DIR`` reads a folder of the same layout instead.
+The vectors ship with the package by checkpoint: ``--set preview`` (the May 2026 DeepSeek V4 Flash)
+and ``--set 0731`` (Flash 0731, ds4's ``flash-0731`` fixture). The default is the set of the model
+file's own checkpoint (``inspect`` shows it; ds4's rule: a 0731 file must be checked against the
+0731 vectors, a mismatch is an invalid test). ``--dir DIR`` reads a folder of the same layout.
 
 Output: a table (case, steps, result, the first failure with its step and values), then the totals;
 ``--json`` prints every case's result and every failure instead. Exit status 0 when every case that
@@ -31,7 +33,7 @@ def register(sub) -> None:
     add_model_options(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--set", dest="vector_set", default=None, metavar="NAME",
-                     help="shipped vector set, by model checkpoint (default: preview)")
+                     help="shipped vector set, by model checkpoint: preview, 0731 (default: the model's checkpoint)")
     src.add_argument("--dir", metavar="DIR", help="read the vectors from DIR (manifest.json, prompts/, official/)")
     p.add_argument("--only", nargs="+", action="extend", metavar="ID", help="run only these cases (repeatable)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -40,10 +42,19 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from ds4_mlx.engine.engine import Engine
-    from ds4_mlx.engine.vectors import DEFAULT_SET, all_passed, load_vector_dir, load_vector_set, run_vectors
+    from ds4_mlx.engine.vectors import all_passed, load_vector_dir, load_vector_set, run_vectors
+    from ds4_mlx.formats.checkpoint import detect_checkpoint
+    from ds4_mlx.formats.gguf import GGUFFile
 
     # The vectors are read and the ids checked before the model loads: a typo costs no load.
-    vset = load_vector_dir(args.dir) if args.dir else load_vector_set(args.vector_set or DEFAULT_SET)
+    if args.dir:
+        vset = load_vector_dir(args.dir)
+    else:
+        name = args.vector_set
+        if name is None:  # the file's own checkpoint, from its header
+            with GGUFFile(args.model) as header:
+                name = detect_checkpoint(header.metadata, args.model, args.checkpoint).checkpoint.value
+        vset = load_vector_set(name)
     cases = vset.select(args.only)
     engine = Engine.open(args.model, **model_options(args))
     tty = sys.stderr.isatty()
@@ -52,7 +63,7 @@ def run(args) -> int:
         if tty:  # a long case prefills thousands of tokens: say which one runs
             print(f"ds4-mlx: vector {case.id} ({len(case.steps)} steps, ctx {case.ctx})", file=sys.stderr, flush=True)
 
-    results = run_vectors(engine, cases, on_case=announce)
+    results = run_vectors(engine, cases, skip=vset.skipped, on_case=announce)
     if args.json:
         doc = {"set": vset.name, "model": vset.model, "passed": all_passed(results),
                "cases": [r.to_json() for r in results]}

@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ds4_mlx.chat.request import MODEL_ALIASES, render_request
-from ds4_mlx.chat.template import THINK_MAX_MIN_CONTEXT, ThinkMode
+from ds4_mlx.chat.effort import PREVIEW_RULES, THINK_MAX_MIN_CONTEXT, EffortRules
 from ds4_mlx.errors import ChatError
 from ds4_mlx.frontends.server import anthropic_api, openai_api, parse, responses_api
 from ds4_mlx.frontends.server.backend import Backend, QueueFull, ShuttingDown
@@ -65,6 +65,9 @@ class ServerConfig:
     body_timeout_s: float = 30.0    # the longest wait for the next piece of a request body
     max_connections: int = 256      # beyond: the connection idle longest is closed (http_protocol)
     max_output: int = 393216   # --max-tokens (ds4's -n default): default and cap of an answer's length
+    # The loaded checkpoint's thinking levels (chat/effort.py): how reasoning_effort, thinking and
+    # output_config.effort read, and the default level; decided once, from the model file.
+    effort_rules: EffortRules = PREVIEW_RULES
 
 
 def _json_problem(value, limit: int) -> str | None:
@@ -124,7 +127,8 @@ class Server:
         self.replay = shared if shared is not None else ReplayMap(config.replay_max_ids)
         self.trace = Trace(config.trace) if config.trace else None
         self.limits = parse.Limits(ctx=config.ctx, max_messages=config.max_messages, max_tools=config.max_tools,
-                                   model_id=config.model_id, max_output=config.max_output)
+                                   model_id=config.model_id, max_output=config.max_output,
+                                   effort_rules=config.effort_rules)
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -268,9 +272,9 @@ class Server:
 
     def _headers(self, parsed: parse.Parsed) -> dict:
         h = {}
-        if parsed.think_requested is ThinkMode.MAX and parsed.request.think is not ThinkMode.MAX:
-            h["x-ds4-think"] = (f"max refused: context {self.config.ctx} < {THINK_MAX_MIN_CONTEXT}; "
-                                "using high")
+        if parsed.request.think.downgraded:
+            h["x-ds4-think"] = (f"{parsed.request.think.requested.value} refused: context {self.config.ctx} < "
+                                f"{THINK_MAX_MIN_CONTEXT}; using {parsed.request.think.value}")
         return h
 
     async def generate(self, request: Request, parsed: parse.Parsed, rid: str, call_prefix: str,

@@ -293,8 +293,10 @@ class EngineBackend(Backend):
                  kv_disk_dir: str | None = None, kv_disk_space_mb: float | None = None,
                  sessions: int = 1, sessions_mb: float = 0, max_queue: int = 64,
                  model_id: str = "deepseek-v4-flash", replay=None,
-                 logits_hook: Callable | None = None, distributed: str | None = None) -> None:
+                 logits_hook: Callable | None = None, distributed: str | None = None,
+                 checkpoint: str | None = None) -> None:
         self.model_path = model_path
+        self.checkpoint = checkpoint
         self.distributed = distributed
         self.numerics = numerics
         self.experts = experts
@@ -322,7 +324,7 @@ class EngineBackend(Backend):
         from ds4_mlx.engine.session_pool import SessionPool
 
         model = ds4_mlx.load(self.model_path, numerics=self.numerics, experts=self.experts,
-                             distributed=self.distributed)
+                             distributed=self.distributed, checkpoint=self.checkpoint)
         if self.ctx > model.context_length:
             raise Ds4Error(f"--ctx {self.ctx} is larger than the model's context length {model.context_length}")
         disk = None

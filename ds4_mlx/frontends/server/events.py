@@ -11,7 +11,7 @@ from typing import Any, Union
 from ds4_mlx.chat.dsml_stream import ContentDelta as Content
 from ds4_mlx.chat.dsml_stream import ReasoningDelta as Reasoning
 from ds4_mlx.chat.dsml_stream import ToolCallArgumentsDelta as ToolArgs  # fragments add up to ToolEnd.arguments
-from ds4_mlx.chat.template import ThinkMode
+from ds4_mlx.chat.effort import Effort, ThinkMode
 
 
 @dataclass
@@ -32,7 +32,7 @@ class ChatRequest:
     messages: list[dict]
     tools: list | None = None
     tool_choice: Any = "auto"
-    think: ThinkMode = ThinkMode.HIGH
+    think: Effort = Effort(ThinkMode.HIGH)  # the level in effect (the checkpoint's rules applied)
     max_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0

@@ -12,13 +12,13 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ds4_mlx.chat.effort import PREVIEW_RULES, Effort, EffortRules
 from ds4_mlx.chat.request import requested_think_mode
 from ds4_mlx.chat.template import (
     DEFAULT_SYSTEM,
     ThinkMode,
     content_text,
     render_tool_schemas,
-    resolve_think_mode,
 )
 from ds4_mlx.errors import ChatError
 from ds4_mlx.frontends.server.events import ChatRequest
@@ -35,6 +35,7 @@ class Limits:
     max_tools: int = 1024
     model_id: str = "deepseek-v4-flash"
     max_output: int = 393216  # --max-tokens: the answer length when a request names none, and its cap
+    effort_rules: EffortRules = PREVIEW_RULES  # the loaded checkpoint's thinking levels
 
 
 @dataclass
@@ -94,12 +95,12 @@ def _stops(value, key: str) -> list[str]:
     return [s for s in value if s]
 
 
-def _think(body: Mapping, ctx: int) -> tuple[ThinkMode, ThinkMode]:
+def _think(body: Mapping, limits: Limits) -> tuple[ThinkMode, Effort]:
     try:
-        requested = requested_think_mode(body)
+        requested = requested_think_mode(body, limits.effort_rules)
     except ChatError as exc:
         raise bad(str(exc)) from None
-    return requested, resolve_think_mode(requested, ctx)
+    return requested, limits.effort_rules.effort(requested, limits.ctx)
 
 
 def _common(body: Mapping, limits: Limits, max_keys: tuple[str, ...], stop_key: str,
@@ -215,7 +216,7 @@ def _openai_messages(messages) -> list[dict]:
 def parse_chat(body, limits: Limits, headers: Mapping = {}) -> Parsed:
     body = _object(body)
     messages = _transcript(body.get("messages"), limits, "messages")
-    requested, think = _think(body, limits.ctx)
+    requested, think = _think(body, limits)
     tool_fields = _tool_fields(body, _openai_tool_choice(body.get("tool_choice")), limits)
     so = body.get("stream_options")
     include_usage = isinstance(so, Mapping) and so.get("include_usage") is True
@@ -231,7 +232,7 @@ def parse_completion(body, limits: Limits, headers: Mapping = {}) -> Parsed:
         prompt = next((p for p in prompt if isinstance(p, str)), None)
     if not isinstance(prompt, str):
         raise bad("missing prompt", "prompt")
-    requested, think = _think(body, limits.ctx)
+    requested, think = _think(body, limits)
     so = body.get("stream_options")
     messages = [{"role": "system", "content": DEFAULT_SYSTEM}, {"role": "user", "content": prompt}]
     req = ChatRequest(messages=messages, think=think, raw_output=True,
@@ -399,7 +400,7 @@ def _anthropic_tools(body: Mapping) -> tuple[list | None, dict[str, Mapping]]:
 def parse_messages(body, limits: Limits, headers: Mapping = {}) -> Parsed:
     body = _object(body)
     messages = _transcript(body.get("messages"), limits, "messages")
-    requested, think = _think(body, limits.ctx)
+    requested, think = _think(body, limits)
     tools, deferred = _anthropic_tools(body)
     tool_fields = _tool_fields({"tools": tools}, _anthropic_tool_choice(body.get("tool_choice")), limits,
                                also_named=deferred)
@@ -511,7 +512,7 @@ def parse_responses(body, limits: Limits, headers: Mapping = {}) -> Parsed:
     if isinstance(items, str):
         items = [{"role": "user", "content": items}]
     items = _transcript(items, limits, "input")
-    requested, think = _think(body, limits.ctx)
+    requested, think = _think(body, limits)
     tool_fields = _tool_fields(body, _responses_tool_choice(body.get("tool_choice")), limits)
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
