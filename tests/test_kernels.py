@@ -23,16 +23,20 @@ from ds4_mlx.formats.ggml_types import BLOCK_GEOMETRY, GGMLType
 from ds4_mlx.formats.quants import dequantize_rows, quantize_q8_0
 from ds4_mlx.model import metal_kernels as mk
 
-EXPERT_TYPES = (GGMLType.IQ2_XXS, GGMLType.Q2_K, GGMLType.Q4_K)
+EXPERT_TYPES = (GGMLType.IQ2_XXS, GGMLType.Q2_K, GGMLType.Q4_K, GGMLType.MXFP4)
 
 
 def random_rows(rng: np.random.Generator, qtype: GGMLType, lead: tuple[int, ...], n_in: int) -> np.ndarray:
-    """Random but valid blocks: random bytes with finite, moderate f16 scales."""
+    """Random but valid blocks: random bytes with finite, moderate f16 scales (MXFP4: E8M0 scales
+    2^-11..2^-7, where ds4's values and gguf-py's agree up to the sign of zero)."""
     elems, block_bytes = BLOCK_GEOMETRY[qtype]
     nb = n_in // elems
     if qtype == GGMLType.Q8_0:
         return quantize_q8_0(rng.standard_normal((*lead, n_in)).astype(np.float32))
     raw = rng.integers(0, 256, size=(*lead, nb, block_bytes), dtype=np.uint8)
+    if qtype == GGMLType.MXFP4:
+        raw[..., 0] = rng.integers(116, 121, size=(*lead, nb), dtype=np.uint8)
+        return raw.reshape(*lead, nb * block_bytes)
     scale_offsets = {GGMLType.IQ2_XXS: (0,), GGMLType.Q2_K: (80, 82), GGMLType.Q4_K: (0, 2)}[qtype]
     for off in scale_offsets:
         d = (rng.uniform(0.5, 2.0, size=(*lead, nb)) * 1e-3).astype(np.float16)

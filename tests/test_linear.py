@@ -21,6 +21,7 @@ from ds4_mlx.formats.gguf import GGUFFile
 from ds4_mlx.formats.iq2xxs_tables import IQ2XXS_GRID, KSIGNS_IQ2XS
 from ds4_mlx.model import experts as experts_mod
 from ds4_mlx.model import linear as linear_mod
+from ds4_mlx.model import numerics as numerics_mod
 from ds4_mlx.model.experts import ExpertCache
 from ds4_mlx.model.experts import ExpertWeights
 from ds4_mlx.model.linear import Backend, DenseWeight, default_backend, q8_0_to_affine, resolve_backend
@@ -170,8 +171,9 @@ def ref_dot_q2_k(row: np.ndarray, x: np.ndarray) -> np.float32:
 
 
 def ref_dot_q4_k(row: np.ndarray, x: np.ndarray) -> np.float32:
-    """DS4_CPU's Q4_K definition (ds4 has no CPU Q4_K dot): isum = sum_b sc_b * sum(nibble * q8),
-    summs = sum_b m_b * sum(q8), sumf += (y.d * d) * isum - (y.d * dmin) * summs per block."""
+    """DS4_CPU's Q4_K (ds4's May tree had no CPU Q4_K dot; b0309611's ds4_vec_dot_q4_K_q8_K is this):
+    isum = sum_b sc_b * sum(nibble * q8), summs = sum_b m_b * sum(q8),
+    sumf += (y.d * d) * isum - (y.d * dmin) * summs per block."""
     q8, yd = ref_quantize_q8_k_act(x)
     sumf = f32(0)
     for i in range(x.size // 256):
@@ -195,7 +197,24 @@ def ref_dot_q4_k(row: np.ndarray, x: np.ndarray) -> np.float32:
     return sumf
 
 
-REF_DOT = {GGMLType.IQ2_XXS: ref_dot_iq2_xxs, GGMLType.Q2_K: ref_dot_q2_k, GGMLType.Q4_K: ref_dot_q4_k}
+def ref_dot_mxfp4(row: np.ndarray, x: np.ndarray) -> np.float32:
+    """ds4_vec_dot_mxfp4_f32 (ds4.c b0309611) on float activations, ds4's e8m0 and value tables:
+    ``sumf += d * values[q & 15] * y[j]; sumf += d * values[q >> 4] * y[j + 16]`` per byte j."""
+    values = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+    sumf = f32(0)
+    for b in range(x.size // 32):
+        blk = row[17 * b:17 * b + 17]
+        e = int(blk[0])
+        d = np.array([0x00400000 if e == 0 else e << 23], dtype=np.uint32).view(np.float32)[0]
+        for j in range(16):
+            q = int(blk[1 + j])
+            sumf = f32(sumf + f32(f32(d * f32(values[q & 15])) * x[32 * b + j]))
+            sumf = f32(sumf + f32(f32(d * f32(values[q >> 4])) * x[32 * b + j + 16]))
+    return sumf
+
+
+REF_DOT = {GGMLType.IQ2_XXS: ref_dot_iq2_xxs, GGMLType.Q2_K: ref_dot_q2_k, GGMLType.Q4_K: ref_dot_q4_k,
+           GGMLType.MXFP4: ref_dot_mxfp4}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -206,6 +225,9 @@ def random_blocks(rng, qtype: GGMLType, lead: tuple[int, ...], n_in: int) -> np.
     elems, block_bytes = BLOCK_GEOMETRY[qtype]
     nb = n_in // elems
     raw = rng.integers(0, 256, size=(*lead, nb, block_bytes), dtype=np.uint8)
+    if qtype == GGMLType.MXFP4:  # E8M0 scales 2^-17..2^2
+        raw[..., 0] = rng.integers(110, 130, size=(*lead, nb)).astype(np.uint8)
+        return raw.reshape(*lead, nb * block_bytes)
     offsets = {GGMLType.IQ2_XXS: (0,), GGMLType.Q2_K: (80, 82), GGMLType.Q4_K: (0, 2), GGMLType.Q8_0: (0,)}[qtype]
     for off in offsets:
         d = (rng.uniform(0.2, 2.0, size=(*lead, nb)) * rng.choice([1e-3, 3e-2], size=(*lead, nb))).astype(np.float16)
@@ -464,7 +486,7 @@ def test_ds4_q8_0_bit_exact(monkeypatch, chunk):
 @pytest.mark.parametrize("qtype", [GGMLType.F16, GGMLType.F32])
 @pytest.mark.parametrize("branch", ["scan", "loop"])
 def test_ds4_f16_f32_bit_exact(monkeypatch, qtype, branch):
-    monkeypatch.setattr(linear_mod, "_LOOP_MIN_OUTPUTS", 0 if branch == "loop" else 1 << 30)
+    monkeypatch.setattr(numerics_mod, "_LOOP_MIN_OUTPUTS", 0 if branch == "loop" else 1 << 30)
     rng = np.random.default_rng(9)
     out_dim, n_in, T = 10, 300, 3
     wf = (rng.standard_normal((out_dim, n_in)) * 10.0 ** rng.uniform(-3, 1, (out_dim, 1))).astype(np.float32)
@@ -517,7 +539,7 @@ def expert_reference(raw, qtype, x, ids) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("qtype", [GGMLType.IQ2_XXS, GGMLType.Q2_K, GGMLType.Q4_K])
+@pytest.mark.parametrize("qtype", [GGMLType.IQ2_XXS, GGMLType.Q2_K, GGMLType.Q4_K, GGMLType.MXFP4])
 @pytest.mark.parametrize("T,kx", [(1, 1), (1, 3), (6, 1), (6, 3)])
 def test_experts_default_matches_numpy(qtype, T, kx):
     rng = np.random.default_rng(int(qtype) * 10 + T + kx)
@@ -553,7 +575,7 @@ def test_expert_cache_reads_each_expert_once():
     assert e.calls == 4 and e.pairs == 7
 
 
-@pytest.mark.parametrize("qtype", [GGMLType.IQ2_XXS, GGMLType.Q2_K, GGMLType.Q4_K])
+@pytest.mark.parametrize("qtype", [GGMLType.IQ2_XXS, GGMLType.Q2_K, GGMLType.Q4_K, GGMLType.MXFP4])
 @pytest.mark.parametrize("kx", [1, 3])
 def test_experts_ds4_bit_exact(monkeypatch, qtype, kx):
     monkeypatch.setattr(experts_mod, "DS4_CHUNK_ELEMENTS", 4096)  # several row chunks per expert
@@ -567,6 +589,9 @@ def test_experts_ds4_bit_exact(monkeypatch, qtype, kx):
     ref = np.array([[[ref_fn(raw[ids[t, j], o], x[t, j if kx > 1 else 0]) for o in range(out_dim)]
                      for j in range(k)] for t in range(T)], dtype=np.float32)
     assert np.array_equal(bits(y), bits(ref))
+    # the MLX-ops twin too (the default above is the native code when a compiler is there)
+    twin = np.array(experts(qtype, raw, n_in, native=False).ds4_cpu(mx.array(x), ids))
+    assert np.array_equal(bits(twin), bits(ref))
 
 
 def test_iq2_xxs_ds4_block_sum_beyond_2_24():

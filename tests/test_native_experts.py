@@ -24,7 +24,7 @@ from ds4_mlx.formats.ggml_types import BLOCK_GEOMETRY, GGMLType
 from ds4_mlx.formats.quants_mlx import dequantize_rows_mlx
 from ds4_mlx.model.experts import ExpertCache, ExpertWeights
 
-QTYPES = [GGMLType.IQ2_XXS, GGMLType.Q2_K, GGMLType.Q4_K]
+QTYPES = [GGMLType.IQ2_XXS, GGMLType.Q2_K, GGMLType.Q4_K, GGMLType.MXFP4]
 SCALE_OFFSETS = {GGMLType.IQ2_XXS: (0,), GGMLType.Q2_K: (80, 82), GGMLType.Q4_K: (0, 2)}
 
 
@@ -52,10 +52,17 @@ def lib():
 
 
 def blocks(rng, qtype: GGMLType, n_expert: int, out_dim: int, n_in: int, hostile: bool = False) -> np.ndarray:
-    """Random blocks with realistic f16 scales; ``hostile``: also zero, NaN and inf scales."""
+    """Random blocks with realistic f16 scales; ``hostile``: also zero, NaN and inf scales (MXFP4: E8M0
+    scales 2^-17..2^2; hostile: 0, 254 and 255, the subnormal, overflowing and infinite ones)."""
     elems, block_bytes = BLOCK_GEOMETRY[qtype]
     nb = n_in // elems
     raw = rng.integers(0, 256, size=(n_expert, out_dim, nb, block_bytes), dtype=np.uint8)
+    if qtype == GGMLType.MXFP4:
+        e = rng.integers(110, 130, size=(n_expert, out_dim, nb)).astype(np.uint8)
+        if hostile:
+            e.reshape(-1)[[0, len(e.reshape(-1)) // 2, -1]] = [0, 255, 254]
+        raw[..., 0] = e
+        return raw.reshape(n_expert, out_dim, nb * block_bytes)
     for off in SCALE_OFFSETS[qtype]:
         d = (rng.uniform(0.2, 2.0, size=(n_expert, out_dim, nb))
              * rng.choice([1e-3, 3e-2], size=(n_expert, out_dim, nb))).astype(np.float16)

@@ -46,6 +46,7 @@ __all__ = [
     "dequant_q2_k_mlx",
     "dequant_q4_k_mlx",
     "dequant_iq2_xxs_mlx",
+    "mxfp4_fields_mlx",
     "quantize_q8_0_activation_mlx",
     "quantize_q8_k_activation_mlx",
 ]
@@ -231,15 +232,22 @@ def _mxfp4_kernel(e: mx.array, codes: mx.array) -> mx.array:
     return val.astype(mx.float32) * d
 
 
-def _mxfp4_rows(raw: mx.array) -> mx.array:
+def mxfp4_fields_mlx(raw: mx.array) -> tuple[mx.array, mx.array]:
+    """MXFP4 rows uint8 [R, row_bytes] -> (E8M0 scale bytes [R, nb, 1, 1], codes uint8 [R, nb, 2, 16]):
+    code [b, h, j] is element 16 h + j of block b (the low nibbles are elements 0..15, the high 16..31).
+    Shared with the model's ds4-valued decoder (``ds4_mlx.model.mxfp4``)."""
     R = raw.shape[0]
     r = raw.reshape(R, -1, 17)
     nb = r.shape[1]
     e = r[..., 0].reshape(R, nb, 1, 1)
-    # elements 0..15 are the low nibbles of the 16 bytes, 16..31 the high nibbles
     words = _words32(r[..., 1:17]).reshape(R, nb, 1, 4)
     codes = mx.view(_unpack_fields(words, _SHIFTS_4BIT, mx.array(0x0F0F0F0F, mx.uint32)), mx.uint8)
-    return _mxfp4_kernel(e, codes.reshape(R, nb, 2, 16)).reshape(R, -1)
+    return e, codes.reshape(R, nb, 2, 16)
+
+
+def _mxfp4_rows(raw: mx.array) -> mx.array:
+    e, codes = mxfp4_fields_mlx(raw)
+    return _mxfp4_kernel(e, codes).reshape(raw.shape[0], -1)
 
 
 _ROW_DEQUANT = {

@@ -17,6 +17,7 @@ typedef unsigned long long ds4_u64;
 typedef unsigned long ulong;  // as sys/types.h has it (LP64: 64 bits), so the two may meet
 
 DS4_FN float ds4_half_bits_to_float(ushort h) { return __half2float(__ushort_as_half(h)); }
+DS4_FN float ds4_bits_to_float(uint v) { return __uint_as_float(v); }
 DS4_FN uint ds4_popcount(uint v) { return (uint)__popc(v); }
 // butterfly over the 32 lanes of the warp: every lane ends with the full sum (as Metal's simd_sum)
 DS4_FN float ds4_lane_sum(float v) {

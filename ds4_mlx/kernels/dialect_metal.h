@@ -16,6 +16,7 @@ using namespace metal;
 typedef ulong ds4_u64;
 
 DS4_FN float ds4_half_bits_to_float(ushort h) { return float(as_type<half>(h)); }
+DS4_FN float ds4_bits_to_float(uint v) { return as_type<float>(v); }
 DS4_FN uint ds4_popcount(uint v) { return popcount(v); }
 DS4_FN float ds4_lane_sum(float v) { return simd_sum(v); }
 DS4_FN float ds4_exp(float v) { return precise::exp(v); }

@@ -11,9 +11,11 @@
 //
 // Loads: every block size (34, 66, 84, 144 bytes) and every field offset used here is even, so the
 // 2-byte loads below are aligned whenever the row base is (the wrappers hand the kernels fresh MLX
-// buffers); nothing wider is assumed, because a 66-byte block gives no 4-byte guarantee.
+// buffers); nothing wider is assumed, because a 66-byte block gives no 4-byte guarantee. MXFP4's
+// 17-byte blocks give no 2-byte guarantee either: its bytes are read one by one.
 //
-// GGML type ids: Q8_0 = 8, Q2_K = 10, Q4_K = 12, IQ2_XXS = 16 (template constants, so branches fold).
+// GGML type ids: Q8_0 = 8, Q2_K = 10, Q4_K = 12, IQ2_XXS = 16, MXFP4 = 39 (template constants, so
+// branches fold).
 // The loader fills the grid table with the 256 words of ds4_mlx.formats.iq2xxs_tables.
 
 DS4_TABLE ds4_u64 ds4_iq2xxs_grid[256] = { @IQ2XXS_GRID@ };
@@ -46,6 +48,18 @@ DS4_FN uint ds4_q4k_scale_min(const DS4_GLOBAL uchar* sc, uint b) {
     }
     return ((uint(sc[b + 4u]) & 15u) | ((uint(sc[b - 4u]) >> 6) << 4))
          | (((uint(sc[b + 4u]) >> 4) | ((uint(sc[b]) >> 6) << 4)) << 8);
+}
+
+// MXFP4 (ds4_mlx.model.mxfp4): ds4's E8M0 scale (2^-127 for e = 0, +inf for 255) and E2M1 value
+// (0, 0.5, 1, 1.5, 2, 3, 4, 6; bit 3 the sign, so code 8 is -0.0). The magnitudes doubled are the
+// nibbles of 0xC8643210: computed, not a table, because the codes index it divergently.
+DS4_FN float ds4_e8m0(uint e) {
+    return ds4_bits_to_float(e == 0u ? 0x00400000u : e << 23);
+}
+
+DS4_FN float ds4_e2m1(uint c) {
+    const float v = 0.5f * float((0xC8643210u >> (4u * (c & 7u))) & 15u);
+    return (c & 8u) ? -v : v;
 }
 
 // ---- scaled decoders: w[e] = weight 8 * part + e of 32-element chunk `sub` of `row` -------------------
@@ -97,6 +111,15 @@ DS4_FN void ds4_deq8(const DS4_GLOBAL uchar* row, uint sub, uint part, DS4_TGP c
             const uint q2 = ds4_ld16(qs + e) >> shift;
             w[e] = ds * float(q2 & 15u) - dm;
             w[e + 1u] = ds * float((q2 >> 8) & 15u) - dm;
+        }
+    } else if (QT == 39) {
+        // weights 8 part .. 8 part + 7: low nibbles of qs[0..16) are weights 0..15, high ones 16..31
+        const DS4_GLOBAL uchar* blk = row + sub * 17u;
+        const float d = ds4_e8m0(uint(blk[0]));
+        const DS4_GLOBAL uchar* qs = blk + 1u + 8u * (part & 1u);
+        const uint shift = (part >> 1) * 4u;
+        for (uint e = 0; e < 8u; ++e) {
+            w[e] = d * ds4_e2m1((uint(qs[e]) >> shift) & 15u);
         }
     } else {
         const DS4_GLOBAL uchar* blk = row + sub * 34u;
@@ -168,6 +191,14 @@ DS4_FN float ds4_dot32(const DS4_GLOBAL uchar* row, uint sub, DS4_THR const floa
             q += float(a & 15u) * x[e] + float((a >> 8) & 15u) * x[e + 1u];
         }
         return d * float(s) * q - dmin * float(m) * (xs0 + xs1);
+    } else if (QT == 39) {
+        const DS4_GLOBAL uchar* blk = row + sub * 17u;
+        float q = 0.0f;
+        for (uint e = 0; e < 16u; ++e) {
+            const uint b = uint(blk[1u + e]);
+            q += ds4_e2m1(b & 15u) * x[e] + ds4_e2m1(b >> 4) * x[16u + e];
+        }
+        return ds4_e8m0(uint(blk[0])) * q;
     } else {
         const DS4_GLOBAL uchar* blk = row + sub * 34u;
         const float d = ds4_f16_at(blk);

@@ -10,8 +10,9 @@ Two strategies run the routed experts (``ds4_mlx.load(path, experts=...)``):
   load, into an MLX array [n_expert, out, row_bytes]. The top-k (``topk_lowest_id``) and hash routing
   (``mx.take`` on the tid2eid table) run as MLX ops, and the expert ids stay MLX arrays: they index the
   blocks with ``mx.take`` and feed the Metal matvec kernel (Metal) or the MLX-ops twin (gather the k
-  blocks, dequantize them with ``quants_mlx``, one batched matvec) everywhere else. A decode step is then
-  one graph with no host break (``compiled_decode`` traces the whole layer when ``MoE.routes_on_device``).
+  blocks, dequantize them with ``mxfp4.expert_rows_mlx``, one batched matvec) everywhere else. A decode
+  step is then one graph with no host break (``compiled_decode`` traces the whole layer when
+  ``MoE.routes_on_device``).
 
 Cost of ``device``: the expert bytes are resident in MLX memory (on top of the mmap's page cache), i.e.
 the GGUF's routed-expert bytes, ``expert_bytes_resident``: ~80 GiB for DS4 Flash's 2-bit file, all of
@@ -37,8 +38,7 @@ import mlx.core as mx
 import numpy as np
 
 from ds4_mlx.errors import LayoutError
-from ds4_mlx.formats.quants_mlx import dequantize_rows_mlx
-from ds4_mlx.model import metal_kernels
+from ds4_mlx.model import metal_kernels, mxfp4
 from ds4_mlx.model.experts import ExpertWeights
 from ds4_mlx.model.host import to_host
 
@@ -168,5 +168,5 @@ def expert_matvec_twin_ids(blocks: mx.array, qtype, x_rows: mx.array, slot: mx.a
     pairs of the call are (expert parallelism replaces foreign pairs and relies on that). A BLAS
     gemv chooses its own order per kernel family and thread split (it held on one machine's
     OpenBLAS and not on another's)."""
-    w = dequantize_rows_mlx(mx.take(blocks, slot, axis=0), qtype)  # [P, out, in]
+    w = mxfp4.expert_rows_mlx(mx.take(blocks, slot, axis=0), qtype)  # [P, out, in]
     return mx.sum(w * x_rows[:, None, :], axis=-1)

@@ -1,7 +1,8 @@
-"""Routed-expert weights (IQ2_XXS, Q2_K, Q4_K): read and multiply only the experts a call selects.
+"""Routed-expert weights (IQ2_XXS, Q2_K, Q4_K, MXFP4): read and multiply only the experts a call selects.
 
 A 3-D GGUF expert tensor is ``(n_expert, out, in)`` with expert ``e`` one contiguous slab of ``out`` rows
-[tensor_expert_bytes]. A call gathers the unique expert ids, copies just their slabs out of the mmap
+[tensor_expert_bytes]. Each tensor has its own type, so a file may mix them across layers (ds4f-q2-q4:
+Q4_K experts in layers 37-42, IQ2_XXS/Q2_K elsewhere) or within one (down differing from gate/up). A call gathers the unique expert ids, copies just their slabs out of the mmap
 (``np.take``) and multiplies token-expert pairs grouped by expert: one GEMM per active expert for a
 prefill batch, k matrix-vector products for a decoded token. Counters: ``bytes_read`` (bytes of the
 mmap the call read: slabs copied out, or read in place by the native code) and ``bytes_selected`` (GGUF
@@ -14,7 +15,7 @@ use its own (fixed, batch-independent) summation order, so they differ from the 
 bits. The MLX-ops paths below stay as the reference twins and the fallback (``DS4_MLX_NATIVE=off``, no
 compiler, a subclass that reads its slabs from somewhere else than ``raw``).
 
-DEFAULT numerics: float activations x dequantized weights. On Metal (``use_kernels``) the custom kernels of
+DEFAULT numerics: float activations x dequantized weights (MXFP4: ds4's values, ``mxfp4``). On Metal (``use_kernels``) the custom kernels of
 ``metal_kernels`` read the raw blocks; otherwise the selected experts are dequantized with the MLX-ops
 dequantizers (``quants_mlx``, the kernels' twins) and kept in ``EXPERT_CACHE``, a byte-bounded LRU shared
 by all expert tensors, because on the CPU backend dequantization costs far more than the matmuls.
@@ -29,10 +30,14 @@ does), and per 256-element super-block i, with integer sums exact:
 * Q2_K [ds4_vec_dot_q2_K_q8_K]: ``isum_i = sum_j (sc_j & 15) * sum_16(q2 * q8)``,
   ``summs_i = sum_j bsums_j * (sc_j >> 4)``; ``dall = y.d * f16(x.d)``, ``dmin = y.d * f16(x.dmin)``,
   ``sumf += dall * (float)isum_i - dmin * (float)summs_i`` (two products, a difference, an add; no FMA).
-* Q4_K: ds4's CPU path has no Q4_K dot product (it refuses Q4_K experts; only its GPU paths run the q4
-  model), so there is nothing to reproduce bit for bit. DS4_CPU uses the Q2_K recipe on Q4_K's fields:
-  ``isum_i = sum_j sc_j * sum_32(nibble * q8)`` (int32), ``summs_i = sum_j m_j * sum_32(q8)``, then the
-  same float32 combination with Q4_K's ``d`` and ``dmin``.
+* Q4_K [ds4_vec_dot_q4_K_q8_K]: ``isum_i = sum_j sc_j * sum_32(nibble * q8)`` (int32),
+  ``summs_i = sum_j m_j * sum_32(q8)``, then the Q2_K combination with Q4_K's ``d`` and ``dmin``. (ds4's
+  May tree had no CPU Q4_K dot and this was our definition; its later one, b0309611, has one:
+  ``sumf += (y.d * f16(x.d)) * (float)isum + (-y.d * f16(x.dmin)) * (float)summs``, the same bits,
+  since ``a + (-b)`` is ``a - b`` and ``(-y) * m`` is ``-(y * m)`` in IEEE arithmetic.)
+* MXFP4 [ds4_vec_dot_mxfp4_f32]: no Q8_K here; float activations, ``sumf += (d * v) * y`` element by
+  element from ``sumf = 0.0f`` in ds4's order (``mxfp4``'s docstring; ds4 runs it for GLM's experts and
+  refuses MXFP4 on its DeepSeek CPU path, so for DeepSeek it is our choice).
 """
 
 from __future__ import annotations
@@ -49,9 +54,9 @@ from ds4_mlx.errors import InferenceError, LayoutError
 from ds4_mlx.formats.ggml_types import BLOCK_GEOMETRY, GGMLType
 from ds4_mlx.formats.iq2xxs_tables import grid_bytes, sign_bits
 from ds4_mlx.formats.quants import SIGNED_GRID_WORDS
-from ds4_mlx.formats.quants_mlx import dequantize_rows_mlx, quantize_q8_k_activation_mlx
+from ds4_mlx.formats.quants_mlx import quantize_q8_k_activation_mlx
 from ds4_mlx import native
-from ds4_mlx.model import metal_kernels
+from ds4_mlx.model import metal_kernels, mxfp4
 from ds4_mlx.model.host import to_host
 from ds4_mlx.model.linear import Backend, resolve_backend
 from ds4_mlx.model.ops import DS4_CHUNK_ELEMENTS, chunks
@@ -278,7 +283,7 @@ def check_expert_call(name: str, shape: tuple[int, int, int], x: mx.array, ids) 
 class ExpertWeights:
     """A 3-D routed-expert tensor ``(n_expert, out, in)``, kept as a zero-copy view of the mmap."""
 
-    SUPPORTED_TYPES = (GGMLType.IQ2_XXS, GGMLType.Q2_K, GGMLType.Q4_K)
+    SUPPORTED_TYPES = (GGMLType.IQ2_XXS, GGMLType.Q2_K, GGMLType.Q4_K, GGMLType.MXFP4)
 
     def __init__(
         self,
@@ -293,7 +298,7 @@ class ExpertWeights:
         qtype = GGMLType(qtype)
         if qtype not in self.SUPPORTED_TYPES:
             raise LayoutError(f"tensor {name!r}: type {qtype.name} is not a routed-expert type "
-                              "(IQ2_XXS, Q2_K, Q4_K)")
+                              "(IQ2_XXS, Q2_K, Q4_K, MXFP4)")
         if raw.ndim != 3:
             raise LayoutError(f"tensor {name!r}: expected a 3-D expert tensor, got shape {raw.shape}")
         elems, block_bytes = BLOCK_GEOMETRY[qtype]
@@ -356,7 +361,10 @@ class ExpertWeights:
         self.bytes_read += int(uniq.size) * self.expert_nbytes  # read in place, once each
         # One host read per input (the ids are on the host already): a MoE's gate and up calls share
         # theirs (``_HOST_INPUT``), so a decode step's syncs are 1 + routed layers * (1 + 2).
-        if ds4:
+        if ds4 and self.qtype == GGMLType.MXFP4:  # ds4's MXFP4 dot takes the float activation
+            y = native.pairs_ds4_f32(lib, int(self.qtype), self.raw, n_in, uniq, bounds, order, rows,
+                                     _HOST_INPUT.get(src, "f32", lambda: to_host(x_rows)))
+        elif ds4:
             def read():
                 xq, xd = quantize_q8_k_activation_mlx(x_rows)
                 # codes and scales in one read: the scales' bytes ride behind each row's codes
@@ -384,11 +392,11 @@ class ExpertWeights:
             if self.cache.limit_bytes > 0:
                 # one buffer per expert, so evicting one frees exactly its bytes
                 for j, i in enumerate(missing):
-                    w = dequantize_rows_mlx(mx.array(slabs[j]), self.qtype)
+                    w = mxfp4.expert_rows_mlx(mx.array(slabs[j]), self.qtype)
                     ws[i] = w
                     self.cache.put((self._key, int(experts[i])), w)
             else:
-                dense = dequantize_rows_mlx(mx.array(slabs), self.qtype)
+                dense = mxfp4.expert_rows_mlx(mx.array(slabs), self.qtype)
                 for j, i in enumerate(missing):
                     ws[i] = dense[j]
         return ws  # type: ignore[return-value]
@@ -476,6 +484,12 @@ class ExpertWeights:
     def _ds4_pairs(self, slabs: mx.array, x_rows: mx.array, slot: np.ndarray, rows: np.ndarray) -> mx.array:
         """Pairs p = (expert slab slot[p], input row rows[p]) -> [P, out] with ds4's CPU arithmetic."""
         _, out_dim, n_in = self.shape
+        if self.qtype == GGMLType.MXFP4:  # float activations, one sequential sum (``mxfp4``)
+            order, bounds, inverse = metal_kernels.pair_order(slot)
+            # pairs per piece: the scan's loop then holds [pairs, out] (a few pieces of the bound); a
+            # piece short enough for one cumsum holds [pairs, out, in] with pairs * out < 4096
+            pieces = mxfp4.ds4_pairs(slabs, x_rows, order, bounds, rows, max(1, DS4_CHUNK_ELEMENTS // out_dim))
+            return mx.take(mx.concatenate(pieces, axis=0), mx.array(inverse), axis=0)
         xq, xd = quantize_q8_k_activation_mlx(x_rows)  # int8 [R, in], float32 [R, nb]
         xq = xq.astype(mx.float32)
         if self.qtype == GGMLType.IQ2_XXS:

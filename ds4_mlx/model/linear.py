@@ -58,6 +58,7 @@ from ds4_mlx.formats.ggml_types import GGMLType
 from ds4_mlx.formats.quants import dequantize_rows
 from ds4_mlx.formats.quants_mlx import quantize_q8_0_activation_mlx
 from ds4_mlx.model import metal_kernels
+from ds4_mlx.model.numerics import sequential_outer_sum
 from ds4_mlx.model.ops import DS4_CHUNK_ELEMENTS, chunks
 
 __all__ = [
@@ -148,39 +149,6 @@ def q8_0_to_affine(raw: np.ndarray) -> tuple[mx.array, mx.array, mx.array]:
     codes = (blocks[:, :, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
     packed = np.ascontiguousarray(codes.reshape(out_dim, nb * QK8_0)).view("<u4")
     return mx.array(packed), mx.array(d), mx.array(d * np.float32(-128))
-
-
-# --------------------------------------------------------------------------------------------------
-# DS4_CPU helpers
-
-
-# Below this many outputs (tokens x rows) a step of the loop in ``_sequential_outer_sum`` costs more in
-# dispatch than in arithmetic, and one cumulative sum over all products is faster.
-_LOOP_MIN_OUTPUTS = 4096
-
-
-def _sequential_outer_sum(w_cols: mx.array, x2: mx.array) -> mx.array:
-    """``acc = 0; for i: acc += w[:, i] * x[:, i]`` elementwise over [T, out], left to right in i.
-
-    ``w_cols`` is the weight as [in, out]. Either every step is one rounded product and one rounded add on
-    a [T, out] slab (ds4's scalar loop run for all rows and tokens at once), or, for few outputs, all
-    products are formed and summed by ``cumsum``, which on MLX's CPU is a left-to-right scan (checked in
-    the tests); the zero prepended to the scan is ds4's ``acc = 0`` (it turns an all ``-0.0`` sum into
-    ``+0.0``, as C does).
-    """
-    n_in, out_dim = w_cols.shape
-    T = x2.shape[0]
-    if T * out_dim < _LOOP_MIN_OUTPUTS:
-        prods = w_cols.T[None, :, :] * x2[:, None, :]  # [T, out, in]
-        zero = mx.zeros((T, out_dim, 1), dtype=w_cols.dtype)
-        return mx.cumsum(mx.concatenate([zero, prods], axis=-1), axis=-1)[..., -1]
-    xt = mx.contiguous(x2.T)  # [in, T]
-    acc = mx.zeros((T, out_dim), dtype=w_cols.dtype)
-    for i in range(n_in):
-        acc = acc + w_cols[i][None, :] * xt[i][:, None]
-        if i % 1024 == 1023:
-            mx.eval(acc)  # keeps the lazy graph short
-    return acc
 
 
 def dense_resident_nbytes(qtype: GGMLType | int, shape: tuple[int, int], backend: "Backend | str | None",
@@ -518,11 +486,11 @@ class DenseWeight:
 
     def _ds4_matmul_f16(self, x2: mx.array) -> mx.array:
         # f16 -> f32 is exact (ds4's f16_to_f32); products and adds are separate float32 roundings
-        return _sequential_outer_sum(self._ds4_columns(mx.float32), x2)
+        return sequential_outer_sum(self._ds4_columns(mx.float32), x2)
 
     def _ds4_matmul_f32(self, x2: mx.array) -> mx.array:
         # float*float is exact in float64 (48 significant bits), so only the order of the adds matters
-        return _sequential_outer_sum(self._ds4_columns(mx.float64), x2.astype(mx.float64)).astype(mx.float32)
+        return sequential_outer_sum(self._ds4_columns(mx.float64), x2.astype(mx.float64)).astype(mx.float32)
 
     def __repr__(self) -> str:
         return f"DenseWeight({self.name!r}, {self.qtype.name}, shape={self.shape}, backend={self.backend.value})"

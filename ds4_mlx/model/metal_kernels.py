@@ -43,6 +43,7 @@ from ds4_mlx.errors import LayoutError
 from ds4_mlx.formats.ggml_types import BLOCK_GEOMETRY, GGMLType
 from ds4_mlx.formats.iq2xxs_tables import IQ2XXS_GRID
 from ds4_mlx.formats.quants_mlx import dequantize_rows_mlx
+from ds4_mlx.model import mxfp4
 from ds4_mlx.model.ops import DEFAULT_OPS
 
 # decode kernels: SIMD groups per threadgroup, output rows per SIMD group
@@ -235,7 +236,7 @@ def expert_matmul_twin(slabs: mx.array, qtype: GGMLType, x: mx.array, slot, rows
     _, slot, rows = _check_pairs(slabs, qtype, x, slot, rows, "expert_matmul")
     if slot.size == 0:
         return mx.zeros((0, slabs.shape[1]), dtype=mx.float32)
-    w = dequantize_rows_mlx(slabs, qtype)  # [u, out, in]
+    w = mxfp4.expert_rows_mlx(slabs, qtype)  # [u, out, in] (MXFP4: ds4's values)
     return expert_matmul_dense([w[s] for s in range(w.shape[0])], x, slot, rows)
 
 

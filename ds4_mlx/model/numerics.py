@@ -8,7 +8,7 @@ agree bit for bit with ds4's table search, ties included.
 
 Also the exact building blocks of the ds4-cpu mode: glibc's expf evaluated step by step (ds4's
 oracle ran on glibc; MLX's own exp is a fast approximation) and sums in a fixed order
-(``ordered_sum``, ``sequential_sum``). Which mode uses what is decided in ``ops`` only; nothing here
+(``ordered_sum``, ``sequential_sum``, ``sequential_outer_sum``). Which mode uses what is decided in ``ops`` only; nothing here
 takes a mode. log2f comes from MLX's CPU kernel, which calls the C library like ds4 does.
 """
 
@@ -170,4 +170,33 @@ def ordered_sum(parts: Sequence[mx.array]) -> mx.array:
     acc = parts[0]
     for p in parts[1:]:
         acc = acc + p
+    return acc
+
+
+# Below this many outputs (tokens x rows) a step of the loop in ``sequential_outer_sum`` costs more in
+# dispatch than in arithmetic, and one cumulative sum over all products is faster.
+_LOOP_MIN_OUTPUTS = 4096
+
+
+def sequential_outer_sum(w_cols: mx.array, x2: mx.array) -> mx.array:
+    """``acc = 0; for i: acc += w[:, i] * x[:, i]`` elementwise over [T, out], left to right in i.
+
+    ``w_cols`` is the weight as [in, out]. Either every step is one rounded product and one rounded add on
+    a [T, out] slab (ds4's scalar loop run for all rows and tokens at once), or, for few outputs, all
+    products are formed and summed by ``cumsum``, which on MLX's CPU is a left-to-right scan (checked in
+    the tests); the zero prepended to the scan is ds4's ``acc = 0`` (it turns an all ``-0.0`` sum into
+    ``+0.0``, as C does).
+    """
+    n_in, out_dim = w_cols.shape
+    T = x2.shape[0]
+    if T * out_dim < _LOOP_MIN_OUTPUTS:
+        prods = w_cols.T[None, :, :] * x2[:, None, :]  # [T, out, in]
+        zero = mx.zeros((T, out_dim, 1), dtype=w_cols.dtype)
+        return mx.cumsum(mx.concatenate([zero, prods], axis=-1), axis=-1)[..., -1]
+    xt = mx.contiguous(x2.T)  # [in, T]
+    acc = mx.zeros((T, out_dim), dtype=w_cols.dtype)
+    for i in range(n_in):
+        acc = acc + w_cols[i][None, :] * xt[i][:, None]
+        if i % 1024 == 1023:
+            mx.eval(acc)  # keeps the lazy graph short
     return acc

@@ -50,7 +50,7 @@ THREADS_VAR = "DS4_MLX_NATIVE_THREADS"
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("experts.c", "dense.c", "hc.c"))
 HEADERS = (Path(__file__).with_name("half.h"),)  # included by the sources: part of the build's hash
 LIBRARY = "libds4_native.so"
-ABI = 1
+ABI = 2
 BASE_FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-fast-math")
 TUNE_FLAGS = ("-march=native",)  # tried first; dropped if the compiler refuses it
 BUILD_TIMEOUT_S = 120
@@ -220,6 +220,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ds4n_f32_pairs.restype = i32
     lib.ds4n_ds4_pairs.argtypes = [*common, i64, p, p, p, p, i32]
     lib.ds4n_ds4_pairs.restype = i32
+    lib.ds4n_ds4_f32_pairs.argtypes = [*common, i64, p, p, i32]
+    lib.ds4n_ds4_f32_pairs.restype = i32
     lib.ds4n_q8_0_rows.argtypes = [p, i64, i64, i32, i32, p, p, i32]
     lib.ds4n_q8_0_rows.restype = i32
     lib.ds4n_hc_sinkhorn.argtypes = [p, i64, i32, p, p, i32, ctypes.c_float, p]
@@ -328,6 +330,26 @@ def pairs_ds4(lib: ctypes.CDLL, qtype: int, raw: np.ndarray, n_in: int, uniq: np
     rc = lib.ds4n_ds4_pairs(int(qtype), _ptr(raw), raw.strides[0], raw.strides[1], raw.shape[1], n_in,
                             uniq.size, _ptr(uniq), _ptr(bounds), _ptr(order), _ptr(rows), xq.shape[0], _ptr(xq),
                             _ptr(xd), _ptr(signed_grid), _ptr(y), threads())
+    if rc == -2:
+        raise ValueError(f"native experts: no Q8_K ds4 product for GGML type {qtype} (MXFP4: pairs_ds4_f32)")
+    if rc:
+        raise MemoryError(f"native expert product failed (code {rc})")
+    return y
+
+
+def pairs_ds4_f32(lib: ctypes.CDLL, qtype: int, raw: np.ndarray, n_in: int, uniq: np.ndarray, bounds: np.ndarray,
+                  order: np.ndarray, rows: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """ds4-cpu numerics of a type whose ds4 dot takes float activations (MXFP4: ds4_vec_dot_mxfp4_f32):
+    the same pairs with x float32 [R, n_in]."""
+    uniq, bounds, order, rows = _i64(uniq), _i64(bounds), _i64(order), _i64(rows)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    _check_call(qtype, raw, n_in, uniq, bounds, order, rows, x)
+    y = np.empty((rows.size, raw.shape[1]), dtype=np.float32)
+    rc = lib.ds4n_ds4_f32_pairs(int(qtype), _ptr(raw), raw.strides[0], raw.strides[1], raw.shape[1], n_in,
+                                uniq.size, _ptr(uniq), _ptr(bounds), _ptr(order), _ptr(rows), x.shape[0], _ptr(x),
+                                _ptr(y), threads())
+    if rc == -2:
+        raise ValueError(f"native experts: no float-activation ds4 product for GGML type {qtype}")
     if rc:
         raise MemoryError(f"native expert product failed (code {rc})")
     return y

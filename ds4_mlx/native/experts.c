@@ -1,15 +1,18 @@
 /* Routed-expert matrix-vector products read in place from the quantized GGUF blocks.
  *
  * For a list of (expert, input row) pairs grouped by expert, y[p] = W_e . x_r computed directly
- * on the raw IQ2_XXS / Q2_K / Q4_K blocks of the mmapped tensor: no copy of the slabs, no float32
- * expert matrices. Two arithmetics, as in ds4_mlx/model/experts.py (its MLX-ops path is the
+ * on the raw IQ2_XXS / Q2_K / Q4_K / MXFP4 blocks of the mmapped tensor: no copy of the slabs, no
+ * float32 expert matrices. Two arithmetics, as in ds4_mlx/model/experts.py (its MLX-ops path is the
  * reference twin and its module docstring the specification):
  *
  *   ds4_pairs: ds4.c's CPU vec_dot of the block type x Q8_K (the activation is quantized by the
  *              caller): integer sums exact, float accumulation per super-block in ds4's order.
- *   f32_pairs: float32 dot products with the weights dequantized exactly as dequantize_rows_mlx;
- *              the summation order is our own (16 lanes, then a fixed tree), the same for every
- *              pair whatever the call holds, so results never depend on batching or threads.
+ *   ds4_f32_pairs (MXFP4 only): ds4_vec_dot_mxfp4_f32, float activations, one float32 sum per
+ *              output element by element in ds4's order (ds4_mlx/model/mxfp4.py).
+ *   f32_pairs: float32 dot products with the weights dequantized exactly as the MLX twins do
+ *              (MXFP4: ds4's values); the summation order is our own (16 lanes, then a fixed tree),
+ *              the same for every pair whatever the call holds, so results never depend on
+ *              batching or threads.
  *
  * Build rules (ds4_mlx/native/__init__.py): -ffp-contract=off and never -ffast-math, because a
  * contracted a*b+c (FMA) or a reassociated sum changes bits. The loops are plain C written so
@@ -26,11 +29,11 @@
 
 #include "half.h"
 
-#define DS4N_ABI 1
+#define DS4N_ABI 2
 #define QK_K 256
 #define TILE 8
 
-enum { GGML_Q2_K = 10, GGML_Q4_K = 12, GGML_IQ2_XXS = 16 };
+enum { GGML_Q2_K = 10, GGML_Q4_K = 12, GGML_IQ2_XXS = 16, GGML_MXFP4 = 39 };
 
 int ds4n_abi(void) { return DS4N_ABI; }
 
@@ -127,6 +130,34 @@ static void dequant_row(int qtype, int nb, const row_codes *c, const uint8_t *ro
     }
 }
 
+/* MXFP4 (17-byte blocks of 32): w = e8m0(e) * value(code), ds4's tables (ds4_e8m0_to_f32,
+ * ds4_mxfp4_values). The product is exact (or overflows to inf), so it is every path's value. Weight
+ * k of the row goes to out[k * stride] in element order (low nibbles are elements 0..15, high ones
+ * 16..31), or with ds4_order in ds4's summation order (each byte's low nibble, then its high one). */
+static const float mxfp4_values[16] = {
+    0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f,
+};
+
+static float e8m0_to_f32(uint8_t e) {
+    const uint32_t bits = e == 0 ? 0x00400000u : (uint32_t)e << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static void mxfp4_row(const uint8_t *row, int n_in, float *out, size_t stride, int ds4_order) {
+    for (int b = 0; b < n_in / 32; b++) {
+        const uint8_t *blk = row + (size_t)b * 17;
+        const float d = e8m0_to_f32(blk[0]);
+        for (int j = 0; j < 16; j++) {
+            const size_t lo = ds4_order ? (size_t)(32 * b + 2 * j) : (size_t)(32 * b + j);
+            const size_t hi = ds4_order ? lo + 1 : lo + 16;
+            out[lo * stride] = d * mxfp4_values[blk[1 + j] & 15];
+            out[hi * stride] = d * mxfp4_values[blk[1 + j] >> 4];
+        }
+    }
+}
+
 /* q times its integer sub-block scale: one 256-long integer dot per super-block then gives
  * sum_j scale_j * sum(q * y) over the sub-blocks j exactly (the same integer, fewer reductions). */
 static void scale_codes(int qtype, int nb, row_codes *c) {
@@ -187,12 +218,12 @@ static float ds4_dot(int qtype, int nb, const row_codes *c, const int16_t *xq, c
 }
 
 typedef struct {
-    int qtype, out_dim, n_in, nb, ds4;
+    int qtype, out_dim, n_in, nb, ds4; /* ds4 with MXFP4: ds4_vec_dot_mxfp4_f32 on xp */
     const uint8_t *base;
     int64_t expert_stride, row_stride;
     const int64_t *uniq, *bounds, *order, *rows;
     int64_t n_groups, tiles_per_group;
-    const float *x;      /* f32: [R, n_in] */
+    const float *x;      /* f32: [R, n_in]; ds4 MXFP4: the same rows in ds4's summation order */
     const int16_t *xq;   /* ds4: [R, n_in], the Q8_K codes widened */
     const float *xd;     /* ds4: [R, nb] */
     const int32_t *bsums;/* ds4: [R, n_in / 16] */
@@ -211,19 +242,21 @@ static void *worker(void *argp) {
     worker_arg *a = (worker_arg *)argp;
     const job *j = a->j;
     const int nb = j->nb, n_in = j->n_in;
+    const int mxfp4 = j->qtype == GGML_MXFP4; /* float weights only: no codes, no scales */
+    const int codes = !mxfp4, wide = j->ds4 && !mxfp4, floats = !j->ds4 || mxfp4;
     size_t nsub = (size_t)nb * 16;
     row_codes c[TILE];
-    int8_t *qbuf = malloc((size_t)TILE * n_in);
-    int16_t *wbuf16 = j->ds4 ? malloc(sizeof(int16_t) * TILE * (size_t)n_in) : NULL;
-    int32_t *ibuf = malloc(sizeof(int32_t) * TILE * nsub * 2);
-    float *fbuf = malloc(sizeof(float) * TILE * (size_t)nb * 2);
-    float *wbuf = j->ds4 ? NULL : malloc(sizeof(float) * TILE * (size_t)n_in);
-    if (!qbuf || !ibuf || !fbuf || (!j->ds4 && !wbuf) || (j->ds4 && !wbuf16)) {
+    int8_t *qbuf = codes ? malloc((size_t)TILE * n_in) : NULL;
+    int16_t *wbuf16 = wide ? malloc(sizeof(int16_t) * TILE * (size_t)n_in) : NULL;
+    int32_t *ibuf = codes ? malloc(sizeof(int32_t) * TILE * nsub * 2) : NULL;
+    float *fbuf = codes ? malloc(sizeof(float) * TILE * (size_t)nb * 2) : NULL;
+    float *wbuf = floats ? malloc(sizeof(float) * TILE * (size_t)n_in) : NULL;
+    if ((codes && (!qbuf || !ibuf || !fbuf)) || (floats && !wbuf) || (wide && !wbuf16)) {
         free(qbuf); free(wbuf16); free(ibuf); free(fbuf); free(wbuf);
         a->failed = 1;
         return NULL;
     }
-    for (int r = 0; r < TILE; r++) {
+    for (int r = 0; r < TILE && codes; r++) {
         c[r].q = qbuf + (size_t)r * n_in;
         c[r].w = wbuf16 ? wbuf16 + (size_t)r * n_in : NULL;
         c[r].sc = ibuf + (size_t)r * nsub * 2;
@@ -237,8 +270,36 @@ static void *worker(void *argp) {
         const int r0 = (int)(item % j->tiles_per_group) * TILE;
         const int nr = j->out_dim - r0 < TILE ? j->out_dim - r0 : TILE;
         const uint8_t *slab = j->base + j->uniq[g] * j->expert_stride;
+        if (mxfp4 && j->ds4) {
+            /* the tile transposed, [n_in][TILE] in ds4's order: the sums of the TILE rows advance
+             * together, each one still strictly in its own order (rows past nr are zeros) */
+            for (int r = 0; r < TILE; r++) {
+                if (r < nr)
+                    mxfp4_row(slab + (int64_t)(r0 + r) * j->row_stride, n_in, wbuf + r, TILE, 1);
+                else
+                    for (int k = 0; k < n_in; k++) wbuf[(size_t)k * TILE + r] = 0.0f;
+            }
+            for (int64_t k = j->bounds[g]; k < j->bounds[g + 1]; k++) {
+                const int64_t p = j->order[k];
+                const float *xp = j->x + j->rows[p] * n_in;
+                float acc[TILE];
+                for (int r = 0; r < TILE; r++) acc[r] = 0.0f;
+                for (int e = 0; e < n_in; e++) {
+                    const float *w = wbuf + (size_t)e * TILE;
+                    const float xv = xp[e];
+                    for (int r = 0; r < TILE; r++) acc[r] = acc[r] + w[r] * xv;
+                }
+                float *yp = j->y + p * j->out_dim + r0;
+                for (int r = 0; r < nr; r++) yp[r] = acc[r];
+            }
+            continue;
+        }
         for (int r = 0; r < nr; r++) {
             const uint8_t *row = slab + (int64_t)(r0 + r) * j->row_stride;
+            if (mxfp4) {
+                mxfp4_row(row, n_in, wbuf + (size_t)r * n_in, 1, 0);
+                continue;
+            }
             decode_row(j->qtype, row, nb, j->signed_grid, &c[r]);
             if (j->ds4)
                 scale_codes(j->qtype, nb, &c[r]);
@@ -298,6 +359,7 @@ static int run(job *j) {
 }
 
 static int check(int qtype, int out_dim, int n_in) {
+    if (qtype == GGML_MXFP4) return out_dim < 1 || n_in < 32 || n_in % 32 ? -3 : 0;
     if (qtype != GGML_IQ2_XXS && qtype != GGML_Q2_K && qtype != GGML_Q4_K) return -2;
     if (out_dim < 1 || n_in < QK_K || n_in % QK_K) return -3;
     return 0;
@@ -316,11 +378,36 @@ int ds4n_f32_pairs(int qtype, const uint8_t *base, int64_t expert_stride, int64_
     return run(&j);
 }
 
+/* ds4-cpu numerics of MXFP4 (ds4_vec_dot_mxfp4_f32): x float32 [n_rows, n_in]; any other type -2. */
+int ds4n_ds4_f32_pairs(int qtype, const uint8_t *base, int64_t expert_stride, int64_t row_stride,
+                       int out_dim, int n_in, int64_t n_groups, const int64_t *uniq, const int64_t *bounds,
+                       const int64_t *order, const int64_t *rows, int64_t n_rows, const float *x, float *y,
+                       int n_threads) {
+    if (qtype != GGML_MXFP4) return -2;
+    int rc = check(qtype, out_dim, n_in);
+    if (rc) return rc;
+    /* the rows in ds4's order once, shared by every pair: 32b + j, then 32b + j + 16 */
+    float *xp = malloc(sizeof(float) * (size_t)(n_rows > 0 ? n_rows : 1) * n_in);
+    if (!xp) return -1;
+    for (int64_t r = 0; r < n_rows; r++)
+        for (int b = 0; b < n_in / 32; b++)
+            for (int i = 0; i < 16; i++) {
+                xp[r * n_in + 32 * b + 2 * i] = x[r * n_in + 32 * b + i];
+                xp[r * n_in + 32 * b + 2 * i + 1] = x[r * n_in + 32 * b + 16 + i];
+            }
+    job j = {qtype, out_dim, n_in, 0, 1, base, expert_stride, row_stride, uniq, bounds, order, rows,
+             n_groups, (out_dim + TILE - 1) / TILE, xp, NULL, NULL, NULL, NULL, y, n_threads};
+    rc = run(&j);
+    free(xp);
+    return rc;
+}
+
 /* The same in ds4-cpu numerics; xq/xd: the Q8_K activation rows [R, n_in] / [R, n_in/256]. */
 int ds4n_ds4_pairs(int qtype, const uint8_t *base, int64_t expert_stride, int64_t row_stride,
                    int out_dim, int n_in, int64_t n_groups, const int64_t *uniq, const int64_t *bounds,
                    const int64_t *order, const int64_t *rows, int64_t n_rows, const int8_t *xq, const float *xd,
                    const uint64_t *signed_grid, float *y, int n_threads) {
+    if (qtype == GGML_MXFP4) return -2; /* its ds4 dot takes float activations: ds4n_ds4_f32_pairs */
     int rc = check(qtype, out_dim, n_in);
     if (rc) return rc;
     /* sums of 16 activation codes (Q8_K's bsums), shared by every pair of a row */

@@ -53,3 +53,8 @@ template <class T> T shfl_xor_at(unsigned mask, T v, int m, const char* site) {
 #define __shfl_xor_sync(mask, v, m) (::shim::shfl_xor_at((mask), (v), (m), SHIM_SITE))
 
 static inline int __popc(unsigned v) { return __builtin_popcount(v); }
+static inline float __uint_as_float(unsigned v) {
+    float f;
+    std::memcpy(&f, &v, sizeof f);
+    return f;
+}
