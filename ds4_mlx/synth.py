@@ -18,7 +18,11 @@ Content conventions (shared with the oracle generator so the models behave alike
     generator's bit for bit, and so do the Q8_0 ones except on exact rounding ties (ggml's quantizer,
     used here, rounds them away from zero; the oracle's rounds them to even);
   * routed experts are random but valid blocks whose f16 super-block scale is chosen per block so the
-    dequantized block RMS equals ``gain/sqrt(fan_in)``; sub-block offsets keep blocks roughly zero-mean.
+    dequantized block RMS equals ``gain/sqrt(fan_in)``; sub-block offsets keep blocks roughly zero-mean
+    (MXFP4's scales are powers of two, so there the block RMS is within a factor sqrt(2) of it);
+  * ``experts`` picks the routed types as the published files do: ``q2`` (IQ2_XXS gate/up, Q2_K down),
+    ``q4`` (Q4_K), ``mxfp4`` (MXFP4), ``q2-q4`` (Q4_K in the last ``n_layer // 7`` layers, at least one,
+    q2 in the others: layers 37-42 of 43, as ds4f-q2-q4; the last layer of the 6-layer tiny model).
 
 ``oracle_bytes=True`` writes the oracle generator's exact bytes instead (its sha256 for the ``tiny``
 preset is the one the oracle's golden outputs were computed on, so the test suite builds the oracle
@@ -48,7 +52,7 @@ import numpy as np
 from ds4_mlx.errors import LayoutError, TokenizerError
 from ds4_mlx.formats.config import FIXED_FLOATS, FIXED_ROPE_ORIG_CTX, FIXED_SWIGLU_CLAMP, REAL_FLASH, \
     ds4_compress_ratio
-from ds4_mlx.formats.ggml_types import GGMLType, row_nbytes
+from ds4_mlx.formats.ggml_types import BLOCK_GEOMETRY, GGMLType, row_nbytes
 from ds4_mlx.formats.gguf import ValueType
 from ds4_mlx.formats.gguf_writer import GGUFWriter
 from ds4_mlx.formats.quants import dequantize, quantize_q8_0
@@ -92,6 +96,15 @@ _Q2K_DMIN_RATIO = 1.5
 _Q4K_DMIN_RATIO = 8.0
 
 
+# Routed-expert choices (TinyModelConfig.experts) and the (gate, up, down) types of their layers.
+EXPERT_MIXES = ("q2", "q4", "q2-q4", "mxfp4")
+_EXPERT_TYPES = {
+    "q2": (GGMLType.IQ2_XXS, GGMLType.IQ2_XXS, GGMLType.Q2_K),
+    "q4": (GGMLType.Q4_K, GGMLType.Q4_K, GGMLType.Q4_K),
+    "mxfp4": (GGMLType.MXFP4, GGMLType.MXFP4, GGMLType.MXFP4),
+}
+
+
 @dataclass(frozen=True)
 class TinyModelConfig:
     """Dims and content options; defaults are the oracle generator's (the ``tiny`` preset)."""
@@ -118,7 +131,7 @@ class TinyModelConfig:
     context_length: int = 1048576
     seed: int = 20240521
     name: str = "ds4-tiny-random"
-    experts: str = "q2"  # "q2": gate/up IQ2_XXS + down Q2_K; "q4": gate/up/down Q4_K
+    experts: str = "q2"  # one of EXPERT_MIXES (the module docstring)
     gain: float = 1.0
     embd_std: float = 1.0
     norm_jitter: float = 0.1
@@ -133,13 +146,17 @@ class TinyModelConfig:
     def compress_ratios(self) -> list[int]:
         return [ds4_compress_ratio(il) for il in range(self.n_layer)]
 
-    def expert_types(self) -> tuple[GGMLType, GGMLType, GGMLType]:
-        """GGML types of (gate, up, down) routed experts."""
-        if self.experts == "q2":
-            return GGMLType.IQ2_XXS, GGMLType.IQ2_XXS, GGMLType.Q2_K
-        if self.experts == "q4":
-            return GGMLType.Q4_K, GGMLType.Q4_K, GGMLType.Q4_K
-        raise LayoutError(f"experts must be 'q2' or 'q4', got {self.experts!r}")
+    def q4_layers(self) -> range:
+        """The layers whose routed experts are Q4_K in the ``q2-q4`` mix: the last ``n_layer // 7`` (at
+        least one), which for the real 43 layers is ds4f-q2-q4's 37-42."""
+        return range(self.n_layer - max(1, self.n_layer // 7), self.n_layer)
+
+    def expert_types(self, il: int = 0) -> tuple[GGMLType, GGMLType, GGMLType]:
+        """GGML types of layer ``il``'s (gate, up, down) routed experts."""
+        if self.experts not in EXPERT_MIXES:
+            raise LayoutError(f"experts must be one of {', '.join(map(repr, EXPERT_MIXES))}, got {self.experts!r}")
+        kind = ("q4" if il in self.q4_layers() else "q2") if self.experts == "q2-q4" else self.experts
+        return _EXPERT_TYPES[kind]
 
     def validate(self) -> list[str]:
         """Raise LayoutError for dims ds4's layout cannot take; return warnings for odd but legal ones."""
@@ -152,7 +169,10 @@ class TinyModelConfig:
                 raise LayoutError(f"config {name} must be positive, got {v}")
         self.expert_types()
         if self.oracle_bytes and self.experts != "q2":
-            raise LayoutError("oracle_bytes needs experts='q2' (the oracle generator writes no Q4_K experts)")
+            raise LayoutError(f"oracle_bytes needs experts='q2' (the oracle generator writes no {self.experts} "
+                              "experts)")
+        if self.experts == "q2-q4" and self.n_layer < 2:
+            raise LayoutError("experts='q2-q4' needs at least 2 layers (Q4_K in the last, q2 before)")
         if self.n_head % self.n_out_group:
             raise LayoutError(f"n_head {self.n_head} is not a multiple of n_out_group {self.n_out_group}")
         if self.n_embd % 256 or self.n_ff_exp % 256:
@@ -390,10 +410,11 @@ def _gaussian_rows(rng: np.random.Generator, n_rows: int, n_cols: int, std: floa
 def _block_mean_square(raw: np.ndarray, qtype: GGMLType) -> np.ndarray:
     """Mean of squared dequantized values per block; raw is uint8[n_blocks, block_bytes]."""
     nb = raw.shape[0]
+    elems = BLOCK_GEOMETRY[qtype][0]
     out = np.empty(nb, dtype=np.float64)
     for b0 in range(0, nb, _RMS_BATCH_BLOCKS):
         part = raw[b0 : b0 + _RMS_BATCH_BLOCKS]
-        vals = dequantize(part.reshape(-1), qtype, part.shape[0] * 256).reshape(part.shape[0], 256)
+        vals = dequantize(part.reshape(-1), qtype, part.shape[0] * elems).reshape(part.shape[0], elems)
         out[b0 : b0 + part.shape[0]] = np.mean(np.square(vals, dtype=np.float64), axis=1)
     return out
 
@@ -489,10 +510,25 @@ def q4_k_random_blocks(rng: np.random.Generator, n_blocks: int, target_rms: floa
     return raw
 
 
+def mxfp4_random_blocks(rng: np.random.Generator, n_blocks: int, target_rms: float) -> np.ndarray:
+    """Random valid MXFP4 blocks (uint8[n, 17]): 32 uniform E2M1 codes (every nibble is one) under the
+    power-of-two scale that brings the block RMS nearest ``target_rms`` in log terms (within a factor
+    sqrt(2)); scale bytes stay in 1..254 (no subnormal 0, no infinite 255)."""
+    raw = np.empty((n_blocks, 17), dtype=np.uint8)
+    raw[:, 1:] = np.frombuffer(rng.bytes(n_blocks * 16), dtype=np.uint8).reshape(n_blocks, 16)
+    raw[:, 0] = 128  # scale 2^1, where gguf-py's doubled values are the E2M1 values themselves
+    rms = np.sqrt(_block_mean_square(raw, GGMLType.MXFP4)) * 0.5  # at scale 2^0
+    with np.errstate(divide="ignore"):
+        shift = np.rint(np.log2(target_rms / np.where(rms > 0, rms, target_rms)))
+    raw[:, 0] = np.clip(127 + shift, 1, 254).astype(np.uint8)
+    return raw
+
+
 _RANDOM_BLOCKS: dict[GGMLType, Callable[[np.random.Generator, int, float], np.ndarray]] = {
     GGMLType.IQ2_XXS: iq2_xxs_random_blocks,
     GGMLType.Q2_K: q2_k_random_blocks,
     GGMLType.Q4_K: q4_k_random_blocks,
+    GGMLType.MXFP4: mxfp4_random_blocks,
 }
 
 
@@ -578,7 +614,6 @@ def tensor_plan(cfg: TinyModelConfig) -> list[TensorSpec]:
     group_dim = D * (H // G)
     out_low = G * cfg.o_lora
     gain, seed = cfg.gain, cfg.seed
-    gate_t, up_t, down_t = cfg.expert_types()
     specs: list[TensorSpec] = []
 
     def rng(name: str) -> np.random.Generator:
@@ -620,7 +655,7 @@ def tensor_plan(cfg: TinyModelConfig) -> list[TensorSpec]:
 
     def experts(name: str, qtype: GGMLType, n_in: int, n_out: int) -> None:
         make = _RANDOM_BLOCKS[qtype]
-        blocks_per_expert = n_out * n_in // 256
+        blocks_per_expert = n_out * n_in // BLOCK_GEOMETRY[qtype][0]
         target = gain / np.sqrt(n_in)
 
         def chunks() -> Iterator[np.ndarray]:
@@ -682,6 +717,7 @@ def tensor_plan(cfg: TinyModelConfig) -> list[TensorSpec]:
         f16_gauss(p + "ffn_gate_inp.weight", E, NE, gain / np.sqrt(E))
         if il >= cfg.n_hash_layer or cfg.exp_probs_b_all_layers:
             f32(p + "exp_probs_b.bias", lambda r: cfg.bias_std * r.standard_normal(NE))
+        gate_t, up_t, down_t = cfg.expert_types(il)
         experts(p + "ffn_gate_exps.weight", gate_t, E, FF)
         experts(p + "ffn_up_exps.weight", up_t, E, FF)
         experts(p + "ffn_down_exps.weight", down_t, FF, E)

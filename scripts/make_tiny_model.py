@@ -15,7 +15,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from ds4_mlx.errors import Ds4Error
-from ds4_mlx.synth import PRESETS, TinyModelConfig, preset_config, write_tiny_model
+from ds4_mlx.synth import EXPERT_MIXES, PRESETS, TinyModelConfig, preset_config, write_tiny_model
 
 # option name -> config field, for every option that overrides a preset
 _DIM_OPTIONS = {
@@ -43,8 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     for opt, field in _FLOAT_OPTIONS.items():
         ap.add_argument(f"--{opt}", dest=field, type=float, default=None, help=f"(default {defaults[field]})")
     ap.add_argument("--name", default=None, help="general.name (default depends on the preset)")
-    ap.add_argument("--experts", choices=["q2", "q4"], default=None,
-                    help="routed experts: q2 = IQ2_XXS gate/up + Q2_K down (default), q4 = Q4_K all three")
+    ap.add_argument("--experts", choices=list(EXPERT_MIXES), default=None,
+                    help="routed experts: q2 = IQ2_XXS gate/up + Q2_K down (default), q4 = Q4_K all three, "
+                         "q2-q4 = Q4_K in the last n_layer // 7 layers (at least one; 37-42 of 43, as "
+                         "ds4f-q2-q4) and q2 in the others, mxfp4 = MXFP4 all three")
     ap.add_argument("--exp-probs-b-all-layers", action="store_true", default=None,
                     help="also write exp_probs_b.bias for hash-routed layers (ds4 treats it as optional)")
     ap.add_argument("--tokenizer-json", default=None,

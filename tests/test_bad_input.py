@@ -282,11 +282,13 @@ def test_wrongly_typed_tensor(tmp_path, data):
     assert "tensor 'blk.0.attn_norm.weight' has type I32, expected F32" in str(e)
 
 
-def test_routed_tensor_of_a_type_ds4_refuses(tmp_path, small_model_path):
+def test_routed_tensor_of_a_type_ds4_mlx_refuses(tmp_path, small_model_path):
+    # Q8_0 routed experts: ds4 (b0309611) takes them, ds4-mlx implements no such product
     rows = np.random.default_rng(2).integers(0, 256, size=(4, 256, 8 * 34), dtype=np.uint8)
     content = _rewrite(small_model_path, tmp_path, replace={"blk.2.ffn_up_exps.weight": (rows, QT.Q8_0)})
     e = _fail(tmp_path, content, LayoutError)
-    assert "tensor 'blk.2.ffn_up_exps.weight' has type Q8_0, expected IQ2_XXS or Q2_K or Q4_K" in str(e)
+    assert "layer 2: tensor 'blk.2.ffn_up_exps.weight' has type Q8_0, expected IQ2_XXS or Q2_K or Q4_K or " \
+           "MXFP4 (a routed-expert type); ds4 also takes Q8_0 routed experts" in str(e)
 
 
 def test_gate_up_type_mismatch(tmp_path, small_model_path):

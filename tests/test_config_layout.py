@@ -122,10 +122,11 @@ def test_q4_routed_experts_give_4_bits(small_model_no_tokenizer, small_cfg, tmp_
 
 
 @pytest.mark.parametrize("gate_up,down,bits", [(QT.IQ2_XXS, QT.Q4_K, 2), (QT.Q2_K, QT.Q2_K, 2),
-                                               (QT.Q4_K, QT.Q2_K, 4)])
+                                               (QT.Q4_K, QT.Q2_K, 4), (QT.MXFP4, QT.MXFP4, 2),
+                                               (QT.MXFP4, QT.Q2_K, 2)])
 def test_ds4_accepts_any_routed_type_pairing(small_model_no_tokenizer, small_cfg, tmp_path, gate_up, down, bits):
-    """ds4 takes IQ2_XXS, Q2_K or Q4_K for each routed tensor (gate and up equal); the bit width
-    follows layer 0's gate alone."""
+    """ds4 takes IQ2_XXS, Q2_K, Q4_K or MXFP4 for each routed tensor (gate and up equal); the bit width
+    follows layer 0's gate alone (2 for MXFP4, as ds4_engine_routed_quant_bits says)."""
     path, _ = small_model_no_tokenizer
     replace = {}
     for il in range(small_cfg.n_layer):
@@ -139,6 +140,36 @@ def test_ds4_accepts_any_routed_type_pairing(small_model_no_tokenizer, small_cfg
     assert report.routed_types == {"gate": gate_up.name, "up": gate_up.name, "down": down.name}
 
 
+def test_routed_types_may_differ_per_layer(small_model_no_tokenizer, small_cfg, tmp_path):
+    """ds4f-q2-q4's shape on the small model: Q4_K in the last layer, the q2 pair before; per-layer types
+    in the report, ds4's layer-0 bits (2), no warning."""
+    path, _ = small_model_no_tokenizer
+    replace = {f"blk.3.ffn_{k}_exps.weight": _routed(small_cfg, k, QT.Q4_K) for k in ("gate", "up", "down")}
+    replace["blk.1.ffn_down_exps.weight"] = _routed(small_cfg, "down", QT.MXFP4)
+    out = rewrite_gguf(path, tmp_path / "mix.gguf", replace=replace)
+    f, _, report = load_model_file(out)
+    f.close()
+    assert report.routed_by_layer == [("IQ2_XXS", "Q2_K"), ("IQ2_XXS", "MXFP4"), ("IQ2_XXS", "Q2_K"),
+                                      ("Q4_K", "Q4_K")]
+    assert report.to_dict()["routed_mix"] == "IQ2_XXS/Q2_K layers 0, 2, IQ2_XXS/MXFP4 layer 1, Q4_K layer 3"
+    assert report.routed_quant_bits == 2 and report.warnings == []
+
+
+@pytest.mark.parametrize("qtype", [QT.Q5_K, QT.Q6_K, QT.Q8_0, QT.Q3_K])
+def test_routed_type_ds4_mlx_does_not_implement_names_layer_and_tensor(small_model_no_tokenizer, small_cfg,
+                                                                       tmp_path, qtype):
+    path, _ = small_model_no_tokenizer
+    out = rewrite_gguf(path, tmp_path / "bad.gguf", replace={"blk.2.ffn_down_exps.weight":
+                                                             _routed(small_cfg, "down", qtype)})
+    with pytest.raises(LayoutError) as info:
+        load_model_file(out)
+    msg = str(info.value)
+    assert (f"layer 2: tensor 'blk.2.ffn_down_exps.weight' has type {qtype.name}, expected IQ2_XXS or Q2_K or "
+            "Q4_K or MXFP4 (a routed-expert type)") in msg
+    # ds4 itself takes Q5_K/Q6_K/Q8_0 routed experts (not Q3_K): the message says which case this is
+    assert ("ds4 also takes" in msg) == (qtype != QT.Q3_K) and "\n" not in msg
+
+
 def test_extra_tensors_and_missing_bias_are_warnings(small_model_no_tokenizer, small_cfg, tmp_path):
     path, _ = small_model_no_tokenizer
     extra = {"mtp.0.e_proj.weight": (np.zeros((4, 8), np.float32), QT.F32)}
@@ -150,7 +181,9 @@ def test_extra_tensors_and_missing_bias_are_warnings(small_model_no_tokenizer, s
     assert "blk.3.exp_probs_b.bias" in report.missing_optional
     assert any("1 tensor(s) ds4 does not use" in w and "mtp.0.e_proj.weight" in w for w in report.warnings)
     assert any("without exp_probs_b.bias" in w and "[3]" in w for w in report.warnings)
-    assert any("routed expert types differ between layers" in w for w in report.warnings)
+    # a layer whose down type differs is reported in the mix, not warned about (ds4f-q2-q4 is published so)
+    assert len(report.warnings) == 2
+    assert report.to_dict()["routed_mix"] == "IQ2_XXS/Q2_K layers 0-2, IQ2_XXS/Q4_K layer 3"
 
 
 def _real_flash_metadata() -> dict:

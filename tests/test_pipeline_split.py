@@ -158,7 +158,7 @@ def test_dense_estimate_of_the_metal_forms(use_kernels):
     assert f16.resident_nbytes() == _built(f16) == 4 * OUT * IN
 
 
-@pytest.mark.parametrize("qtype", [GGMLType.IQ2_XXS, GGMLType.Q2_K, GGMLType.Q4_K])
+@pytest.mark.parametrize("qtype", [GGMLType.IQ2_XXS, GGMLType.Q2_K, GGMLType.Q4_K, GGMLType.MXFP4])
 def test_expert_estimate_is_what_the_lru_and_the_device_copy_hold(qtype):
     rng = np.random.default_rng(int(qtype))
     n_expert, out_dim, n_in = 4, 32, 256

@@ -205,6 +205,53 @@ def test_random_expert_blocks_hit_the_target_rms_per_block(qtype):
     assert 0.4 < np.mean(vals > 0) < 0.6
 
 
+def test_random_mxfp4_blocks_have_the_target_rms_within_a_scale_step():
+    """Power-of-two scales: each block's RMS is the target within a factor sqrt(2), measured with gguf-py;
+    the scale bytes avoid 0 and 255, the codes are all 16, and the values are centred."""
+    target = 1.0 / np.sqrt(4096)
+    raw = tm.mxfp4_random_blocks(np.random.default_rng(3), 3000, target)
+    assert raw.shape == (3000, 17) and 1 <= raw[:, 0].min() and raw[:, 0].max() <= 254
+    vals = gguf_dequantize(raw.reshape(-1), gguf.GGMLQuantizationType.MXFP4).reshape(3000, 32).astype(np.float64)
+    ratio = np.sqrt(np.mean(vals ** 2, axis=1)) / target
+    assert (ratio >= 2 ** -0.5 - 1e-9).all() and (ratio <= 2 ** 0.5 + 1e-9).all()
+    assert set(np.unique(np.concatenate([raw[:, 1:] & 15, raw[:, 1:] >> 4]))) == set(range(16))
+    assert abs(vals.mean()) < 0.02 * target and 0.4 < np.mean(vals > 0) < 0.6
+
+
+def test_expert_mixes_follow_the_published_files():
+    """q2-q4: Q4_K in the last n_layer // 7 layers (37-42 of 43, ds4f-q2-q4's), at least one; mxfp4:
+    MXFP4 gate, up and down everywhere. Only the routed tensors differ from the q2 plan."""
+    types = lambda cfg: {s.name: s.ggml_type for s in tm.tensor_plan(cfg)}  # noqa: E731
+    full = types(tm.preset_config("medium", n_layer=43, experts="q2-q4"))
+    q2 = types(tm.preset_config("medium", n_layer=43))
+    for il in range(43):
+        want = (GGMLType.Q4_K,) * 3 if il >= 37 else (GGMLType.IQ2_XXS, GGMLType.IQ2_XXS, GGMLType.Q2_K)
+        assert tuple(full[f"blk.{il}.ffn_{k}_exps.weight"] for k in ("gate", "up", "down")) == want, il
+    assert {n for n in full if full[n] != q2[n]} == {f"blk.{il}.ffn_{k}_exps.weight" for il in range(37, 43)
+                                                     for k in ("gate", "up", "down")}
+    assert tm.preset_config("tiny", experts="q2-q4").q4_layers() == range(5, 6)
+    assert tm.preset_config("tiny", n_layer=2, experts="q2-q4").q4_layers() == range(1, 2)
+    mx4 = {s.name: s for s in tm.tensor_plan(tm.preset_config("medium", experts="mxfp4"))}
+    assert {s.ggml_type for n, s in mx4.items() if "_exps." in n} == {GGMLType.MXFP4}
+    assert mx4["blk.0.ffn_down_exps.weight"].nbytes == 256 * 4096 * (2048 // 32 * 17)
+
+
+def test_mxfp4_and_mixed_models_are_written_and_validate(tmp_path):
+    from ds4_mlx.formats.layout import load_model_file
+
+    cfg = tm.preset_config("tiny", **SMALL)
+    for experts, mix in [("mxfp4", "MXFP4 layers 0-4"), ("q2-q4", "IQ2_XXS/Q2_K layers 0-3, Q4_K layer 4")]:
+        out = tmp_path / f"{experts}.gguf"
+        tm.write_tiny_model(dataclasses.replace(cfg, experts=experts), out, compute_sha256=False)
+        f, _, report = load_model_file(out)
+        with f:
+            assert report.to_dict()["routed_mix"] == mix and report.warnings == []
+            for name, t in f.tensors.items():
+                if "_exps." in name:
+                    rms = np.sqrt(np.mean(_values(f, name) ** 2))
+                    assert 0.5 < rms * np.sqrt(t.ne[0]) < 2, name
+
+
 def test_q4_k_scale_packing_round_trips():
     rng = np.random.default_rng(5)
     sc, mins = rng.integers(0, 64, size=(500, 8)), rng.integers(0, 64, size=(500, 8))
@@ -294,7 +341,8 @@ def test_bad_configs_raise_layout_errors(tmp_path):
         (dict(n_embd=384), "multiples of 256"),
         (dict(head_dim=160), "multiple of 64"),
         (dict(n_expert_used=20), "exceeds n_expert"),
-        (dict(experts="q3"), "'q2' or 'q4'"),
+        (dict(experts="q3"), "one of 'q2', 'q4', 'q2-q4', 'mxfp4'"),
+        (dict(experts="q2-q4", n_layer=1), "at least 2 layers"),
         (dict(q_lora=40), "Q8_0 rows"),
         (dict(n_layer=0), "positive"),
     ]

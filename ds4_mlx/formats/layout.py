@@ -32,9 +32,13 @@ F16 = (GGMLType.F16,)
 F32 = (GGMLType.F32,)
 Q8_0 = (GGMLType.Q8_0,)
 I32 = (GGMLType.I32,)
-# ds4 accepts any of these for each routed expert tensor (tensor_is_routed_expert_type); gate and up
-# must agree. The published files pair IQ2_XXS gate/up with Q2_K down (q2) or Q4_K everywhere (q4).
-ROUTED = (GGMLType.IQ2_XXS, GGMLType.Q2_K, GGMLType.Q4_K)
+# The routed-expert types ds4-mlx multiplies. ds4 takes any of its routed types for each routed tensor,
+# layer by layer (tensor_is_routed_expert_type), gate and up agreeing; so does ds4-mlx, every tensor with
+# its own type (model/experts.py). The published files: IQ2_XXS gate/up + Q2_K down (ds4f-q2), Q4_K
+# (ds4f-q4), Q4_K in layers 37-42 and the q2 pair elsewhere (ds4f-q2-q4), MXFP4 (ds4f-mxfp4).
+ROUTED = (GGMLType.IQ2_XXS, GGMLType.Q2_K, GGMLType.Q4_K, GGMLType.MXFP4)
+# Routed types ds4 (b0309611) also takes that no published DeepSeek file uses and ds4-mlx does not implement.
+ROUTED_DS4_ONLY = (GGMLType.Q8_0, GGMLType.Q5_K, GGMLType.Q6_K)
 
 
 @dataclass(frozen=True)
@@ -60,8 +64,9 @@ class LayoutReport:
 
     path: str
     n_checked: int  # tensors matched against an expectation
-    routed_quant_bits: int  # 2 or 4, as ds4_engine_routed_quant_bits
+    routed_quant_bits: int  # 2 or 4, as ds4_engine_routed_quant_bits (layer 0's gate; a KV-cache label)
     routed_types: dict[str, str]  # layer 0's routed types: {"gate": ..., "up": ..., "down": ...}
+    routed_by_layer: list[tuple[str, str]] = field(default_factory=list)  # (gate/up, down) of each layer
     missing_optional: list[str] = field(default_factory=list)
     extra_tensors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -71,6 +76,8 @@ class LayoutReport:
             "n_checked": self.n_checked,
             "routed_quant_bits": self.routed_quant_bits,
             "routed_types": dict(self.routed_types),
+            "routed_by_layer": [list(t) for t in self.routed_by_layer],
+            "routed_mix": routed_mix(self.routed_by_layer),
             "missing_optional": list(self.missing_optional),
             "extra_tensors": list(self.extra_tensors),
             "warnings": list(self.warnings),
@@ -182,13 +189,38 @@ def _stray_layer_tensor(name: str, cfg: ModelConfig, layer_suffixes: set[str]) -
 
 
 def routed_quant_bits(tensors: Mapping[str, TensorInfo] | GGUFFile) -> int:
-    """4 if layer 0's routed gate is Q4_K, 2 for any other type, 0 without one (ds4's rule)."""
+    """4 if layer 0's routed gate is Q4_K, 2 for any other type, 0 without one (ds4's rule).
+
+    ds4 writes this into its KV-cache files and compares it on load (ds4_engine_routed_quant_bits, still
+    layer 0 only in b0309611), so it is kept as ds4 computes it: 2 for ds4f-q2-q4 (IQ2_XXS in layer 0)
+    and for ds4f-mxfp4 too. It describes no layer's arithmetic; ``routed_mix`` does."""
     if isinstance(tensors, GGUFFile):
         tensors = tensors.tensors
     gate = tensors.get("blk.0.ffn_gate_exps.weight")
     if gate is None:
         return 0
     return 4 if gate.ggml_type == GGMLType.Q4_K else 2
+
+
+def _layer_ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"."""
+    runs: list[list[int]] = []
+    for il in layers:
+        if runs and il == runs[-1][1] + 1:
+            runs[-1][1] = il
+        else:
+            runs.append([il, il])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def routed_mix(routed_by_layer: list[tuple[str, str]]) -> str:
+    """The routed-expert types layer by layer, one entry per (gate/up, down) pairing in order of its
+    first layer: "IQ2_XXS/Q2_K layers 0-36, Q4_K layers 37-42" (one name when down is gate/up's type)."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for il, pair in enumerate(routed_by_layer):
+        groups.setdefault(tuple(pair), []).append(il)
+    return ", ".join(f"{g if g == d else f'{g}/{d}'} layer{'s' if len(ls) > 1 else ''} {_layer_ranges(ls)}"
+                     for (g, d), ls in groups.items())
 
 
 def validate_layout(gguf_file: GGUFFile, cfg: ModelConfig) -> LayoutReport:
@@ -211,6 +243,11 @@ def validate_layout(gguf_file: GGUFFile, cfg: ModelConfig) -> LayoutReport:
         if t is None:
             missing_optional.append(e.name)
             continue
+        if t.ggml_type not in e.ggml_types and e.ggml_types == ROUTED:
+            also = (f"; ds4 also takes {t.ggml_type.name} routed experts, ds4-mlx does not implement them"
+                    if t.ggml_type in ROUTED_DS4_ONLY else "")
+            raise LayoutError(f"{path}: layer {e.layer}: tensor {e.name!r} has type {t.ggml_type.name}, expected "
+                              f"{' or '.join(x.name for x in e.ggml_types)} (a routed-expert type){also}")
         if t.ggml_type not in e.ggml_types:
             raise LayoutError(f"{path}: tensor {e.name!r} has type {t.ggml_type.name}, expected "
                               f"{' or '.join(x.name for x in e.ggml_types)} (expected {e.describe()}, "
@@ -247,9 +284,7 @@ def validate_layout(gguf_file: GGUFFile, cfg: ModelConfig) -> LayoutReport:
     no_bias = [il for il in range(cfg.n_hash_layer, cfg.n_layer) if f"blk.{il}.exp_probs_b.bias" not in tensors]
     if no_bias:
         warnings.append(f"non-hash layers without exp_probs_b.bias (experts chosen by unbiased scores): {no_bias}")
-    if len(set(routed_by_layer)) > 1:
-        kinds = sorted({f"{g.name}/{d.name}" for g, d in routed_by_layer})
-        warnings.append(f"routed expert types differ between layers (gate-up/down: {', '.join(kinds)})")
+    # types differing between layers are no warning: ds4f-q2-q4 is published so (``routed_mix``)
 
     g0, d0 = routed_by_layer[0]
     return LayoutReport(
@@ -257,6 +292,7 @@ def validate_layout(gguf_file: GGUFFile, cfg: ModelConfig) -> LayoutReport:
         n_checked=sum(1 for e in expected if e.name in tensors),
         routed_quant_bits=routed_quant_bits(tensors),
         routed_types={"gate": g0.name, "up": g0.name, "down": d0.name},
+        routed_by_layer=[(g.name, d.name) for g, d in routed_by_layer],
         missing_optional=missing_optional,
         extra_tensors=extra,
         warnings=warnings,
@@ -284,6 +320,7 @@ __all__ = [
     "ExpectedTensor",
     "LayoutReport",
     "expected_tensors",
+    "routed_mix",
     "routed_quant_bits",
     "validate_layout",
     "load_model_file",

@@ -258,7 +258,11 @@ def format_text(info: dict[str, Any], show_tensors: bool = True) -> str:
         lay = info["layout"]
         rt = lay["routed_types"]
         w(f"layout: OK ({lay['n_checked']} tensors checked)")
-        w(f"routed experts: {info['routed_quant_bits']}-bit (gate/up {rt['gate']}, down {rt['down']})")
+        if len({tuple(t) for t in lay["routed_by_layer"]}) == 1 and rt["gate"] != "MXFP4":
+            w(f"routed experts: {info['routed_quant_bits']}-bit (gate/up {rt['gate']}, down {rt['down']})")
+        else:  # a mix, or MXFP4: ds4's "bits" (a KV-cache label from layer 0) would misdescribe them
+            w(f"routed experts: {lay['routed_mix']} (KV-cache quant bits {info['routed_quant_bits']}, "
+              f"from layer 0 as ds4)")
         for line in lay["warnings"]:
             w(f"warning: {_clean(line)}")
     else:
