@@ -116,6 +116,7 @@ ALIASES: dict[str, str] = {"q2-imatrix": "preview-q2-imatrix", "q4-imatrix": "pr
 DEFAULT_TARGET = "ds4f-q2"
 
 _MTP_MARKER_TENSOR = "mtp.0.e_proj.weight"  # one of the tensors ds4 requires in an MTP file
+_DSPARK_PARTS = (".main_proj.", ".markov_head.", ".confidence_head.")  # what ds4 looks for in a DSpark file
 _SEGMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 # One HTTP request covers at most this many bytes: huggingface_hub's http_get refuses a plain request
@@ -223,6 +224,15 @@ def verify(path: str | os.PathLike, target: Target | None = None) -> str:
                 if _MTP_MARKER_TENSOR not in f.tensors:
                     raise HubError(f"{path}: a GGUF, but not a DS4 MTP component (no {_MTP_MARKER_TENSOR})")
                 return f"DS4 MTP GGUF, {len(f.tensors)} tensors"
+        if kind == "dspark":
+            with GGUFFile(path) as f:
+                # ds4's recognition [support_model_detect]: mtp.<stage>.* stages with a main
+                # projection, a Markov head and a confidence head
+                names = list(f.tensors)
+                missing = [part for part in _DSPARK_PARTS if not any(part in n for n in names)]
+                if missing or not any(n.startswith("mtp.") for n in names):
+                    raise HubError(f"{path}: a GGUF, but not a DSpark drafter (no {', '.join(missing) or 'mtp.*'} tensors)")
+                return f"DSpark drafter GGUF, {len(f.tensors)} tensors"
         f, cfg, report = load_model_file(path)
         with f:
             return (f"DS4 Flash GGUF, layout OK ({report.n_checked} tensors checked), "

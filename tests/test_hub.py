@@ -348,6 +348,13 @@ def test_mtp_target_is_checked_as_an_mtp_file(fake_hub, small_bytes, tmp_path, m
         hub.download("preview-mtp", dir=tmp_path, progress=False)
 
 
+def test_dspark_target_is_checked_as_a_drafter(fake_hub, small_bytes, tmp_path):
+    t = hub.TARGETS["ds4f-dspark"]
+    fake_hub.files[(t.repo, t.filename)] = small_bytes
+    with pytest.raises(HubError, match="not a DSpark drafter"):
+        hub.download("ds4f-dspark", dir=tmp_path, progress=False)
+
+
 # -- failures with their own lines -----------------------------------------------------------------
 
 
