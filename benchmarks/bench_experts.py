@@ -3,8 +3,8 @@
     python benchmarks/bench_experts.py            # tiny + real shapes
     python benchmarks/bench_experts.py --quick    # tiny shapes only
 
-Weights are synthetic but valid GGUF blocks (random codes, moderate f16 scales), so no model file is
-needed. Reported per case: milliseconds per call, GFLOP/s (2 * tokens * pairs * out * in), and for the
+Weights are synthetic but valid GGUF blocks (random codes, moderate f16 or E8M0 scales), so no model
+file is needed. Reported per case: milliseconds per call, GFLOP/s (2 * tokens * pairs * out * in), and for the
 routed experts the weight bytes each decoded token reads (``bytes_read``: out of the mmap, through the
 expert cache when it is on) next to the active-parameter bytes (GGUF bytes of the k selected experts
 of gate + up + down), per layer and for the 43-layer model.
@@ -104,6 +104,7 @@ def main() -> None:
                       ("compressor_kv", GGMLType.F16, 1024, 4096)], (1, 64), 64)
     bench_experts(rng, "real q2", 8, 4096, 2048, 6, GGMLType.IQ2_XXS, GGMLType.Q2_K, (1, 32), N_LAYER_REAL, 32)
     bench_experts(rng, "real q4", 8, 4096, 2048, 6, GGMLType.Q4_K, GGMLType.Q4_K, (1,), N_LAYER_REAL, 1)
+    bench_experts(rng, "real mxfp4", 8, 4096, 2048, 6, GGMLType.MXFP4, GGMLType.MXFP4, (1,), N_LAYER_REAL, 1)
 
 
 if __name__ == "__main__":

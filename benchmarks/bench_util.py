@@ -48,12 +48,16 @@ def bench_text(name: str = "promessi_sposi.txt") -> str:
 
 def random_blocks(rng, qtype: GGMLType, lead: tuple[int, ...], n_in: int) -> np.ndarray:
     """uint8 [*lead, n_in/elems*block_bytes]: Q8_0 quantized Gaussian rows, or random codes of
-    IQ2_XXS / Q2_K / Q4_K with moderate f16 scales (every byte pattern of their codes is valid)."""
+    IQ2_XXS / Q2_K / Q4_K with moderate f16 scales, MXFP4 with E8M0 scales near 2^-10 (every byte
+    pattern of their codes is valid)."""
     if qtype == GGMLType.Q8_0:
         return quantize_q8_0(rng.standard_normal((*lead, n_in)).astype(np.float32) * 0.02)
     elems, block_bytes = BLOCK_GEOMETRY[qtype]
     nb = n_in // elems
     raw = rng.integers(0, 256, size=(*lead, nb, block_bytes), dtype=np.uint8)
+    if qtype == GGMLType.MXFP4:
+        raw[..., 0] = rng.integers(116, 119, size=(*lead, nb), dtype=np.uint8)
+        return raw.reshape(*lead, nb * block_bytes)
     for off in {GGMLType.IQ2_XXS: (0,), GGMLType.Q2_K: (80, 82), GGMLType.Q4_K: (0, 2)}[qtype]:
         d = (rng.uniform(0.5, 2.0, size=(*lead, nb)) * 1e-3).astype(np.float16)
         raw[..., off:off + 2] = d.view(np.uint8).reshape(*lead, nb, 2)

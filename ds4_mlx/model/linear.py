@@ -6,7 +6,7 @@ Interface (the architecture code uses only this):
     w = DenseWeight.from_gguf(gguf_file, name, rows=range(a, b))  # only those output rows, read and held
     y = w(x)  /  w.ds4_cpu(x)                          # x [..., in] float32 -> [..., out] float32
     w.rows(start, stop)                                # a DenseWeight over a slice of output rows
-    e = experts.ExpertWeights.from_gguf(gguf_file, name)  # 3-D (n_expert, out, in): IQ2_XXS/Q2_K/Q4_K
+    e = experts.ExpertWeights.from_gguf(gguf_file, name)  # 3-D (n_expert, out, in): IQ2_XXS/Q2_K/Q4_K/MXFP4
     y = e(x, ids)  /  e.ds4_cpu(x, ids)                # x [T, k|1, in], ids [T, k] int -> [T, k, out]
 
 ``w(x)`` is the DEFAULT arithmetic, ``w.ds4_cpu(x)`` the DS4_CPU one. The architecture code calls
