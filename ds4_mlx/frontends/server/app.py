@@ -171,6 +171,9 @@ class Server:
             raise ApiError(400, "invalid JSON request: nesting too deep") from None
         except ValueError:
             raise ApiError(400, "invalid JSON request") from None
+        if not isinstance(body, dict):  # every POST endpoint takes an object; `null` used to reach parsing
+            raise ApiError(400, f"invalid JSON request: the body must be a JSON object, not {type(body).__name__}"
+                           .replace("NoneType", "null"))
         problem = _json_problem(body, self.config.max_json_depth)
         if problem is not None:
             raise ApiError(400, f"invalid JSON request: {problem}")
