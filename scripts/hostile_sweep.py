@@ -540,13 +540,13 @@ def _odd_dir(model: str, d: Path, opts: str, body) -> list[str]:
         return []
     try:
         if opts == "size=96k":  # fill it to the last block, as a full disk is
-            with open(d / "filler", "wb") as f:
-                try:
+            try:  # the close flushes too, and fails the same way
+                with open(d / "filler", "wb") as f:
                     while True:
                         f.write(b"\0" * 4096)
                         f.flush()
-                except OSError:
-                    pass
+            except OSError:
+                pass
         t = ServeTarget(model, kv_dir=str(d))
         why = t.start()
         if why == "refused at start":
