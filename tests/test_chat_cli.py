@@ -179,7 +179,8 @@ def test_bad_commands_never_end_the_repl(monkeypatch, capsys, tmp_path, tiny_mod
     cmds += [f"/load {name}" for name in hostile]
     rc, out, err = _chat(monkeypatch, capsys, tmp_path, tiny_model_path, cmds + ["/help", "/quit"])
     assert rc == 0
-    lines = err.strip().split("\n")
+    banner, *lines = err.strip().split("\n")
+    assert banner.startswith("ds4-mlx chat: ") and "preview checkpoint" in banner, banner
     assert len(lines) == len(cmds), err  # exactly one line per bad command
     assert lines[0].startswith("ds4-mlx: unknown command '/frobnicate'; commands: /help")
     assert "/ctx must be in [2, 1048576], got 1" in err and "not UTF-8 text (byte 3)" in err

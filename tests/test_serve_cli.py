@@ -73,6 +73,7 @@ def test_serve_command_end_to_end(tiny_model_path, tmp_path):
     # process ends the way an unhandled SIGTERM ends (what service managers expect)
     assert proc.returncode in (0, -signal.SIGTERM), err[-3000:]
     assert "Traceback" not in err, err[-3000:]
+    assert "DeepSeek V4 Flash preview checkpoint, thinking levels none/high/max (default high)" in err, err[-3000:]
     # the server's own lines beside uvicorn's: one per request (the 401 with its reason), and the
     # shutdown save
     requests = [ln for ln in err.splitlines() if " ds4-mlx: request " in ln]

@@ -63,6 +63,7 @@ def test_chat_repl_two_turns(variants, variant, monkeypatch, capsys, tmp_path):
                    "--chat-dir", str(tmp_path / "chats")])
     out, err = capsys.readouterr()
     assert rc == 0 and "Traceback" not in out + err
+    assert "DeepSeek V4 Flash 0731 checkpoint, thinking levels none/low/high/max (default low)" in err
     assert len([line for line in out.split("\n") if line.strip()]) >= 2
 
 

@@ -110,6 +110,11 @@ class EffortRules:
     def levels(self) -> tuple[ThinkMode, ...]:
         return tuple(m for m in ThinkMode if m not in self.aliases)
 
+    def banner(self) -> str:
+        """What a front end says at start: which checkpoint and how it thinks unless told."""
+        return (f"DeepSeek V4 Flash {self.checkpoint.value} checkpoint, thinking levels "
+                f"{'/'.join(m.value for m in self.levels)} (default {self.default.value})")
+
     def effort(self, mode, ctx: int) -> Effort:
         """The ``Effort`` a request for ``mode`` gets at context ``ctx`` (True: the default level)."""
         asked = self.default if mode is True else ThinkMode.NONE if mode is False else as_mode(mode)

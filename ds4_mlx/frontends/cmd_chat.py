@@ -106,6 +106,7 @@ def run(args) -> int:
     engine = Engine.open(args.model, **model_options(args))
     if args.ctx > engine.context_length:
         raise ChatCommandError(f"--ctx {args.ctx} is larger than the model's context length {engine.context_length}")
+    print(f"ds4-mlx chat: {args.model}: {engine.effort_rules.banner()}", file=sys.stderr, flush=True)
     repl = ChatRepl(engine, args, stdin=sys.stdin, stdout=sys.stdout, stderr=sys.stderr)
     return repl.loop()
 

@@ -23,6 +23,7 @@ import argparse
 import errno
 import os
 import socket
+import sys
 
 from ds4_mlx.chat.template import DEFAULT_CTX
 from ds4_mlx.errors import Ds4Error
@@ -246,6 +247,7 @@ def run(args: argparse.Namespace, *, logits_hook=None) -> int:
         # a model, --ctx or --kv-disk-dir that cannot be used is a Ds4Error, one line from the CLI,
         # where uvicorn printed it as a traceback of "Application startup failed".
         backend.start()
+        print(f"ds4-mlx serve: {args.model}: {config.effort_rules.banner()}", file=sys.stderr, flush=True)
         try:
             serve(app, backend, args.host, args.port, args.log_level, sockets=sockets)
         finally:
