@@ -139,6 +139,13 @@ def named(outcome: str, raw: bytes, field: str | None) -> str:
     return "4xx (named field)" if field in body else outcome
 
 
+def note(outcome: str, what: str, raw: bytes) -> str:
+    """Keep what it takes to reproduce a finding; returns ``outcome``."""
+    if outcome in FINDING_OUTCOMES:
+        FINDINGS.append(f"{outcome} {what} -> {raw[:400]!r}")
+    return outcome
+
+
 # --------------------------------------------------------------------------------------------- targets
 
 class InProcessTarget:
@@ -196,7 +203,7 @@ class ServeTarget:
     def start(self, timeout: float = 180) -> str | None:
         """None when healthy; else why not ("refused at start" when serve exited by itself)."""
         cmd = [sys.executable, "-m", "ds4_mlx.frontends.cli", "serve", "-m", self.model, "--port", str(self.port),
-               "--ctx", "4096", "--max-queue", str(self.max_queue), "--log-level", "info", *self.extra]
+               "--ctx", "4096", "--max-tokens", "32", "--max-queue", str(self.max_queue), "--log-level", "info", *self.extra]
         if self.api_key:
             cmd += ["--api-key", self.api_key]
         if self.kv_dir:
@@ -257,8 +264,7 @@ def post(target, path: str, body, *, field: str | None = None, headers: dict | N
     h.update(headers or {})
     outcome, raw = raw_exchange(target.port, request_bytes(path, data, headers=h, content_type=content_type),
                                 timeout=timeout)
-    if outcome in FINDING_OUTCOMES:  # keep what it takes to reproduce a finding
-        FINDINGS.append(f"{outcome} {path} {data[:300]!r} -> {raw[:400]!r}")
+    note(outcome, f"{path} {data[:300]!r}", raw)
     return named(outcome, raw, field)
 
 
@@ -354,7 +360,8 @@ def family_headers(target, rng: random.Random, cases: int) -> list[str]:
 
     def send(head_lines: list[str], payload: bytes = body, timeout: float = 10.0) -> str:
         head = "".join(f"{line}\r\n" for line in head_lines).encode("latin-1", "replace")
-        return raw_exchange(target.port, head + b"\r\n" + payload, timeout=timeout)[0]
+        outcome, raw = raw_exchange(target.port, head + b"\r\n" + payload, timeout=timeout)
+        return note(outcome, f"{head[:300]!r} + {payload[:100]!r}", raw)
 
     common = [f"{k}: {v}" for k, v in base.items()]
     ln = f"Content-Length: {len(body)}"
@@ -392,7 +399,8 @@ def family_headers(target, rng: random.Random, cases: int) -> list[str]:
     out.append(send(header_flood))
     for _ in range(max(0, cases // 20)):  # random bytes where a request line should be
         junk = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 400)))
-        out.append(raw_exchange(target.port, junk + b"\r\n\r\n", timeout=5)[0])
+        outcome, raw = raw_exchange(target.port, junk + b"\r\n\r\n", timeout=5)
+        out.append(note(outcome, f"junk {junk[:100]!r}", raw))
     return out
 
 

@@ -41,3 +41,15 @@ def test_a_body_that_is_not_an_object_is_a_400(sweep_mod, path, raw):
     assert outcome == "4xx", answer[:300]
     body = json.loads(answer.partition(b"\r\n\r\n")[2])
     assert "JSON" in json.dumps(body)
+
+
+def test_both_framings_are_refused_at_once(sweep_mod):
+    # with both headers the body was read as chunked: a plain JSON body then waited for its chunk
+    # size until the body deadline (30 s in serve) instead of an answer
+    with sweep_mod.InProcessTarget(api_key=None, body_timeout_s=30) as target:
+        body = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}'
+        raw = sweep_mod.request_bytes("/v1/chat/completions", body,
+                                      headers={"Transfer-Encoding": "chunked"})
+        outcome, answer = sweep_mod.raw_exchange(target.port, raw, timeout=5)
+    assert outcome == "4xx", answer[:300]
+    assert b"both Content-Length and Transfer-Encoding" in answer

@@ -477,6 +477,11 @@ class _Guard:
             if kind != b"application/json" and not (kind.startswith(b"application/") and kind.endswith(b"+json")):
                 return await refuse(ApiError(415, "request bodies must be JSON: send Content-Type: "
                                                   f"application/json (got {kind.decode('latin-1')[:60] or 'none'!r})"))
+        if b"transfer-encoding" in headers and b"content-length" in headers:
+            # RFC 9112 6.3: ambiguous framing (the smuggling shape); chunked then waited for a
+            # chunk size in a plain body until the body deadline
+            return await refuse(ApiError(400, "a request may not have both Content-Length and "
+                                              "Transfer-Encoding"))
         return await self.app(scope, receive, send_with_cors)
 
 
