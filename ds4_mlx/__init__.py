@@ -73,6 +73,11 @@ def load(path_or_repo, numerics: str = "default", **kwargs):
     (``join_timeout``: seconds to wait for them, default 120). ``checkpoint``: "preview" or "0731",
     for a file whose name and metadata do not say which DeepSeek V4 Flash checkpoint it holds (its
     thinking levels differ: ``ds4_mlx.chat.effort``); by default it is decided from the file.
+    ``ctx``: the context the sessions will use (default 32768, capped at the model's; it becomes
+    ``new_session()``'s default) and ``simulate_memory``: plan for a machine of that many GiB. The
+    load is planned first (``ds4_mlx.model.memory_plan``: weights, expert cache, KV at ``ctx``,
+    scratch); one that does not fit raises a one-line ``MemoryPlanError`` naming the numbers and
+    what would fit, before any weight is read. ``model.memory_plan`` is the plan.
     """
     from ds4_mlx.engine.engine import Engine
 

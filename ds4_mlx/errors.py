@@ -70,3 +70,9 @@ class HubError(Ds4Error):
 class DistributedError(InferenceError):
     """A distributed run that cannot go on: no launcher started the ranks, more ranks than layers,
     a rank that never joined or was lost, a state the other ranks do not hold."""
+
+
+class MemoryPlanError(Ds4Error):
+    """A load whose memory plan (weights, expert cache, KV at the context, scratch) does not fit
+    the machine's memory (``model.memory_plan``), refused before any weight is read; or a bad
+    simulated memory size. The message names the numbers and what would fit."""

@@ -41,6 +41,7 @@ from ds4_mlx.chat.effort import as_mode as _as_mode
 from ds4_mlx.chat.messages import ToolCall
 from ds4_mlx.chat.pieces import Piece, PieceTokenizer, ctl, encode_pieces, join, txt
 from ds4_mlx.errors import ChatError
+from ds4_mlx.formats import config
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
@@ -48,7 +49,7 @@ USER = "<｜User｜>"
 ASSISTANT = "<｜Assistant｜>"
 
 DEFAULT_SYSTEM = "You are a helpful assistant"
-DEFAULT_CTX = 32768
+DEFAULT_CTX = config.DEFAULT_CTX  # ds4's CLI context; defined with the model config (the memory plan sizes KV at it)
 # The preview's Think Max paragraph (ds4's DS4_REASONING_EFFORT_MAX_PREFIX); chat/effort.py has
 # every checkpoint's prefixes.
 MAX_EFFORT_PREFIX = ABSOLUTE_MAX_PREFIX

@@ -59,6 +59,7 @@ def engine_rows(engine) -> list[tuple[str, object]]:
         ("vocabulary", cfg.n_vocab),
         ("context", f"{cfg.context_length} max, {engine.default_ctx()} default"),
         ("numerics", engine.numerics),
+        ("memory plan", engine.memory_plan.verdict() if engine.memory_plan is not None else "not planned"),
         ("load time", f"{engine.load_time:.2f} s"),
     ]
 

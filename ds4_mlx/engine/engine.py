@@ -95,7 +95,7 @@ class Engine:
             parse_checkpoint(checkpoint)  # a bad value fails before the file is read
         with GGUFFile(path) as header:  # the header only (mmap): a variant we cannot run is refused first
             info = detect_checkpoint(header.metadata, path, checkpoint)
-        network = load_network(path, numerics=numerics, **kwargs)
+        network = load_network(path, numerics=numerics, **kwargs)  # ctx / simulate_memory: its memory plan
         if getattr(network, "rank", 0) != 0:
             # A rank other than 0 (``model.distributed``): it serves its part for rank 0, which owns
             # tokenizer, sessions and output, and ends the process when rank 0 stops.
@@ -192,8 +192,15 @@ class Engine:
     # -- sessions ------------------------------------------------------------------------------------
 
     def default_ctx(self) -> int:
-        """ds4's CLI context (32768), or the model's context length when that is smaller."""
-        return min(DEFAULT_CTX, self.context_length)
+        """The context the model was loaded for (``ds4_mlx.load(..., ctx=N)``: what its memory plan
+        sized the KV for), else ds4's CLI context (32768); at most the model's context length."""
+        plan = getattr(self.network, "memory_plan", None)
+        return plan.ctx if plan is not None else min(DEFAULT_CTX, self.context_length)
+
+    @property
+    def memory_plan(self):
+        """The load's ``model.memory_plan.MemoryPlan`` (None for a distributed rank's share)."""
+        return getattr(self.network, "memory_plan", None)
 
     def new_session(self, ctx: int | None = None, *, chunk: int | None = None, **options):
         """A ``Session`` of ``ctx`` tokens (default ``default_ctx()``); ``chunk`` is the prefill chunk

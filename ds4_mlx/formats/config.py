@@ -17,6 +17,10 @@ from typing import Any
 from ds4_mlx.errors import LayoutError
 
 ARCH = "deepseek4"
+# The context a session gets when none is given: ds4's CLI default (32768 tokens), capped at the
+# model's context length (``Engine.default_ctx``). Defined here, below the model and the chat
+# layers, because both use it: the chat templates and the loader's memory plan (KV sized at it).
+DEFAULT_CTX = 32768
 
 # Non-shape constants ds4 enforces on every file (ds4.c config_validate_model), with its tolerance (see _close).
 FIXED_FLOATS = {

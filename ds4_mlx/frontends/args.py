@@ -133,6 +133,10 @@ _CTX_RANGE = dict(lo=2, hi=MAX_CTX, why=f"DS4 Flash's context length is {MAX_CTX
 CTX = ranged(int, **_CTX_RANGE)
 SEED = ranged(int, 0, MAX_SEED, why="a 64-bit unsigned seed (0 = time-based)")
 TOKENS = ranged(int, 0, why="a count of tokens")
+# The memory plan's simulated machine (``model.memory_plan.MAX_SIMULATED_GIB``, restated: importing
+# it loads mlx, and ``ds4-mlx --help`` builds every parser; test_memory_plan checks they agree).
+MAX_SIMULATED_GIB = float(1 << 20)
+SIMULATE_MEMORY = ranged(float, 0, MAX_SIMULATED_GIB, lo_open=True, why="a memory size in GiB (at most 1 PiB)")
 
 
 def check_ctx(text: str, name: str) -> int:
@@ -162,6 +166,10 @@ def add_model_options(p: argparse.ArgumentParser, *, distributed: bool = False) 
     p.add_argument("--checkpoint", choices=["preview", "0731"], default=None,
                    help="which DeepSeek V4 Flash checkpoint the file holds, for a file whose name and "
                         "metadata do not say (default: decided from the file; ds4's 0731 files are named *-0731.gguf)")
+    p.add_argument("--simulate-memory", action=SIMULATE_MEMORY, default=None, metavar="GB",
+                   help="plan the load for a machine of GB GiB instead of this one's memory (the load is "
+                        "refused before any weight is read when weights, expert cache, KV at --ctx and "
+                        "scratch do not fit; `ds4-mlx inspect --plan` prints the plan)")
     if distributed:
         p.add_argument("--distributed", choices=DISTRIBUTED_MODES, default=None,
                        help="run over the ranks started by mlx.launch (rank 0 prints; e.g. mlx.launch -n 2 "
@@ -171,10 +179,14 @@ def add_model_options(p: argparse.ArgumentParser, *, distributed: bool = False) 
         p.set_defaults(distributed=None)
 
 
-def model_options(args: argparse.Namespace) -> dict:
-    """The ``ds4_mlx.load`` / ``Engine.open`` keywords of the options ``add_model_options`` added."""
+def model_options(args: argparse.Namespace, ctx: int | None = None) -> dict:
+    """The ``ds4_mlx.load`` / ``Engine.open`` keywords of the options ``add_model_options`` added,
+    with the context the command's sessions will use for the memory plan: ``ctx``, else the
+    command's ``--ctx`` (None: the default session context)."""
     return {"numerics": args.numerics, "experts": args.experts, "distributed": args.distributed,
-            "checkpoint": getattr(args, "checkpoint", None)}
+            "checkpoint": getattr(args, "checkpoint", None),
+            "ctx": ctx if ctx is not None else getattr(args, "ctx", None),
+            "simulate_memory": getattr(args, "simulate_memory", None)}
 
 
 def add_system_option(p: argparse.ArgumentParser) -> None:

@@ -118,7 +118,8 @@ def run(args) -> int:
     if not Path(args.model).is_file():
         raise UsageError(f"-m {args.model}: no such model file")
 
-    engine = Engine.open(args.model, **model_options(args))
+    # the sweep's one session holds ctx_max + gen + 1 tokens (engine.bench.run_sweep): the plan's KV
+    engine = Engine.open(args.model, **model_options(args, ctx=n["ctx_max"] + n["gen"] + 1))
     context_length = engine.context_length
     if n["ctx_max"] + n["gen"] > context_length:
         raise UsageError(f"--ctx-max + --gen = {n['ctx_max'] + n['gen']} exceeds the model's context of "

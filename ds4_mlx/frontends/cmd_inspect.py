@@ -4,6 +4,11 @@ Prints the metadata (long arrays such as the 129k-token vocabulary only summariz
 directory, per-type totals, the model config, the layout verdict, and the routed expert precision.
 Exit status: 0 for a valid DS4 Flash file, 1 for a readable file that fails config or layout
 validation (the report is still printed), 2 for an unreadable file (GGUFError, printed by cli.py).
+
+``--plan`` prints the memory plan of loading the file instead (``model.memory_plan``: dense
+weights per form, routed experts, expert cache, KV at ``--ctx`` per layer type, scratch, total
+against this machine's memory or ``--simulate-memory GB``), for the ``--experts`` / ``--numerics``
+given; exit status 0 when it fits, 1 when a load would be refused (the verdict says what would fit).
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from ds4_mlx.chat.template import DEFAULT_CTX
+from ds4_mlx.frontends.args import CTX, EXPERT_STRATEGIES, SIMULATE_MEMORY, UsageError
 from ds4_mlx.frontends.terminal_text import escape_text, human_size
 
 if TYPE_CHECKING:  # the readers (numpy) load in run(): `ds4-mlx --help` builds every command's parser
@@ -37,12 +44,29 @@ def register(subparsers) -> None:
     p.add_argument("path", help="GGUF file")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--no-tensors", action="store_true", help="text mode: omit the per-tensor table")
+    plan = p.add_argument_group("memory plan")
+    plan.add_argument("--plan", action="store_true",
+                      help="print the memory plan of loading the file (weights, expert cache, KV at --ctx, "
+                           "scratch vs this machine) instead of the report")
+    plan.add_argument("--ctx", action=CTX, default=None, metavar="N",
+                      help=f"--plan: the sessions' context (default {DEFAULT_CTX}, capped at the model's)")
+    plan.add_argument("--numerics", choices=["default", "ds4-cpu"], default="default", help="--plan: the arithmetic")
+    plan.add_argument("--experts", choices=EXPERT_STRATEGIES, default="auto",
+                      help="--plan: the routed-expert strategy (auto: device on a GPU, host on the CPU)")
+    plan.add_argument("--simulate-memory", action=SIMULATE_MEMORY, default=None, metavar="GB",
+                      help="--plan: for a machine of GB GiB instead of this one")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from ds4_mlx.formats.gguf import GGUFFile
 
+    if args.plan:
+        return run_plan(args)
+    for flag, given in (("--ctx", args.ctx is not None), ("--simulate-memory", args.simulate_memory is not None),
+                        ("--numerics", args.numerics != "default"), ("--experts", args.experts != "auto")):
+        if given:
+            raise UsageError(f"{flag} only applies with --plan")
     with GGUFFile(args.path) as f:
         info = inspect_file(f)
     if args.json:
@@ -53,6 +77,43 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(format_text(info, show_tensors=not args.no_tensors))
     return 0 if info["verdict"] == "OK" else 1
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """``inspect --plan``: the memory plan as a table (or ``--json``: its ``to_dict``)."""
+    from ds4_mlx.formats.layout import load_model_file
+    from ds4_mlx.model.loader import plan_memory
+
+    f, cfg, _ = load_model_file(args.path)
+    try:
+        plan = plan_memory(f, cfg, args.numerics, strategy=args.experts, ctx=args.ctx,
+                           simulate_memory=args.simulate_memory)
+    finally:
+        f.close()
+    if args.json:
+        json.dump(plan.to_dict(), sys.stdout, ensure_ascii=True, allow_nan=False)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(format_plan(plan))
+    return 1 if plan.fits is False else 0
+
+
+def format_plan(plan) -> str:
+    """The plan's table: one row per part (what, bytes, detail), the total and the verdict."""
+    from ds4_mlx.model.memory_plan import size_text
+
+    w = plan.weights
+    rows = plan.rows()
+    width = max(len(r.label) for r in rows)
+    out = [f"memory plan: {_clean(plan.name)}, {w.strategy} experts, {w.numerics} numerics, {w.backend} backend, "
+           f"ctx {plan.ctx}"]
+    for r in rows:
+        out.append(f"  {r.label:<{width}}  {size_text(r.nbytes):>10}  {r.detail}")
+    out.append(f"  {'total':<{width}}  {size_text(plan.total):>10}")
+    limit = plan.machine.limit
+    out.append(f"  {'available':<{width}}  {size_text(limit) if limit is not None else '?':>10}  {plan.machine.source}")
+    out.append(f"verdict: {plan.verdict()}")
+    return "\n".join(out) + "\n"
 
 
 # -- collection ---------------------------------------------------------------------------------

@@ -217,6 +217,7 @@ def server_parts(args: argparse.Namespace, *, logits_hook=None):
     with GGUFFile(args.model) as header:
         checkpoint = detect_checkpoint(header.metadata, args.model, args.checkpoint)
     backend = EngineBackend(args.model, ctx=args.ctx, numerics=args.numerics, experts=args.experts,
+                            simulate_memory=args.simulate_memory,
                             checkpoint=checkpoint.checkpoint.value,
                             distributed=args.distributed,
                             kv_disk_dir=args.kv_disk_dir,

@@ -64,6 +64,24 @@ def capacity_for(position: int) -> int:
     return cap
 
 
+def lane_shapes(ratio: int, dim: int, coff: int, capacity: int) -> list[tuple[int, int]]:
+    """A compressor lane's buffers with row buffers of ``capacity`` tokens (``CompressorLane.empty``):
+    rows [capacity // R, dim], frontier kst / gst [coff·R, coff·dim]."""
+    front = (coff * ratio, coff * dim)
+    return [(capacity // ratio, dim), front, front]
+
+
+def buffer_shapes(cfg: ModelConfig, il: int, capacity: int) -> list[tuple[int, int]]:
+    """The shapes of layer ``il``'s live float32 buffers with row buffers of ``capacity`` tokens, in
+    ``LayerCache.arrays`` order: the raw ring [n_swa, D], then ``lane_shapes`` of the attention lane
+    (a compressed layer) and of the indexer lane (a ratio-4 layer): what ``LayerCache.empty``
+    allocates and ``grow`` extends. The memory plan (``model.memory_plan``) sizes the KV at a
+    context with it; ``tests/test_memory_plan.py`` checks it against the allocated arrays."""
+    r, coff = cfg.compress_ratio(il), cfg.coff(il)
+    dims = ([cfg.head_dim] if r else []) + ([cfg.indexer_head_dim] if r == 4 else [])
+    return [(cfg.n_swa, cfg.head_dim)] + [s for dim in dims for s in lane_shapes(r, dim, coff, capacity)]
+
+
 # -- the serialised layout ---------------------------------------------------------------------------
 
 
@@ -178,9 +196,9 @@ class CompressorLane:
 
     @classmethod
     def empty(cls, ratio: int, dim: int, coff: int, capacity: int) -> "CompressorLane":
-        shape = (coff * ratio, coff * dim)
-        return cls(ratio, dim, coff, mx.zeros((capacity // ratio, dim), dtype=mx.float32),
-                   mx.zeros(shape, dtype=mx.float32), mx.full(shape, EMPTY_SCORE, dtype=mx.float32))
+        rows, kst, gst = lane_shapes(ratio, dim, coff, capacity)
+        return cls(ratio, dim, coff, mx.zeros(rows, dtype=mx.float32),
+                   mx.zeros(kst, dtype=mx.float32), mx.full(gst, EMPTY_SCORE, dtype=mx.float32))
 
     def copy(self) -> "CompressorLane":
         return CompressorLane(self.ratio, self.dim, self.coff, self.rows, self.kst, self.gst)

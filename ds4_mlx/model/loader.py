@@ -14,7 +14,7 @@ import numpy as np
 
 from ds4_mlx import native
 from ds4_mlx.errors import LayoutError
-from ds4_mlx.formats.config import ModelConfig
+from ds4_mlx.formats.config import DEFAULT_CTX, ModelConfig
 from ds4_mlx.formats.ggml_types import GGMLType
 from ds4_mlx.formats.gguf import GGUFFile
 from ds4_mlx.formats.layout import load_model_file
@@ -27,7 +27,7 @@ from ds4_mlx.model.hyper_connection import HyperConnection, OutputHC
 from ds4_mlx.model.indexer import Indexer
 from ds4_mlx.model.linear import Backend, DenseWeight, resolve_backend
 from ds4_mlx.model.moe import MoE
-from ds4_mlx.model import distributed as dist, expert_parallel, pipeline
+from ds4_mlx.model import distributed as dist, expert_parallel, memory_plan, pipeline
 from ds4_mlx.model.ops import DefaultOps, Numerics, ops_for
 from ds4_mlx.model.rope import Rope
 from ds4_mlx.model.transformer import Block, Model
@@ -213,6 +213,83 @@ def host_head(numerics: str | Numerics, strategy: str, backend: str | None, qtyp
             and mx.default_device().type == mx.DeviceType.cpu and native.library() is not None)
 
 
+def _lru_budget(strategy: str) -> int:
+    """The expert LRU's budget a load may fill (``EXPERT_CACHE``): the explicit limit or the
+    default one; 0 for the host strategy with the native library, whose products read the blocks
+    in place, so the LRU never fills (``ds4_mlx.native``)."""
+    budget = EXPERT_CACHE.limit_bytes if EXPERT_CACHE.explicit else EXPERT_CACHE.default_bytes
+    return 0 if strategy == "host" and native.library() is not None else budget
+
+
+def _routed_names(f: GGUFFile, cfg: ModelConfig) -> dict[str, int]:
+    """The routed-expert tensors the blocks take (``_block``) and their GGUF bytes: another tensor
+    named like one builds nothing, and must not take a share of the LRU budget from them."""
+    return {n: int(f.tensor(n).nbytes) for il in range(cfg.n_layer) for part in ("gate", "up", "down")
+            if (n := f"blk.{il}.ffn_{part}_exps.weight") in f.tensors}
+
+
+def weight_bytes(f: GGUFFile, cfg: ModelConfig, numerics: str | Numerics = "default", backend: str | None = None,
+                 strategy: str = "host") -> memory_plan.WeightBytes:
+    """What the weights of a one-process load will hold (``memory_plan.WeightBytes``), from the
+    tensor directory only (nothing of the data is read): each tensor's ``_Weights.resident_nbytes``,
+    grouped by form, the routed experts' raw blocks and LRU share apart. The LRU budget is spread
+    over the expert tensors as ``resident_split`` spreads it."""
+    mode = parse_numerics(numerics)
+    strategy = resolve_strategy(strategy)
+    w = _Weights(f, backend, strategy)
+    routed = _routed_names(f, cfg)
+    total, budget = sum(routed.values()), _lru_budget(strategy)
+    forms: dict[str, list[int]] = {}
+    experts_resident = expert_lru = 0
+    per_layer = [0] * cfg.n_layer
+    for name, info in f.tensors.items():
+        parts = name.split(".")
+        if parts[0] == "blk" and len(parts) > 2 and not (parts[1].isdigit() and int(parts[1]) < cfg.n_layer):
+            continue  # a block the model does not have builds nothing
+        kind = tensor_kind(name)
+        if kind == "experts":
+            if name not in routed:
+                continue
+            raw = w.resident_nbytes(name, mode, 0)
+            experts_resident += raw
+            expert_lru += w.resident_nbytes(name, mode, budget * routed[name] // total) - raw
+            per_layer[int(parts[1])] += routed[name]
+            continue
+        nbytes = w.resident_nbytes(name, mode)
+        if kind in ("embedding", "table"):
+            label = "embedding, hash tables (gathered from the mapping)"
+        elif kind == "f32":
+            label = "float32 vectors (norms, scales, sinks, biases)"
+        elif name == pipeline.HEAD and nbytes == info.nbytes:
+            label = f"output head {info.ggml_type.name} (read in place, its pages stay mapped)"
+        else:
+            label = f"dense {info.ggml_type.name} weights"
+        entry = forms.setdefault(label, [0, 0, 0])
+        entry[0] += 1
+        entry[1] += int(info.nbytes)
+        entry[2] += nbytes
+    dense = tuple(memory_plan.DenseForm(label, *entry) for label, entry in forms.items())
+    return memory_plan.WeightBytes(strategy, mode.value, resolve_backend(backend).value, dense,
+                                   total, experts_resident, expert_lru, max(per_layer, default=0))
+
+
+def plan_memory(f: GGUFFile, cfg: ModelConfig, numerics: str | Numerics = "default", backend: str | None = None,
+                strategy: str = "auto", *, ctx: int | None = None, simulate_memory: float | None = None,
+                experts_cache_bytes: int | None = None) -> memory_plan.MemoryPlan:
+    """The memory plan of loading ``f`` with these options (``model.memory_plan``), against this
+    machine (or a simulated one of ``simulate_memory`` GiB). ``ctx``: the sessions' context (None:
+    ``DEFAULT_CTX`` capped at the model's, the default a session gets)."""
+    mode = parse_numerics(numerics)
+    strategy = resolve_strategy(strategy)
+    machine = (memory_plan.simulated_machine(simulate_memory) if simulate_memory is not None
+               else memory_plan.read_machine(gpu=resolve_backend(backend) is Backend.METAL))
+    weights = weight_bytes(f, cfg, mode, backend, strategy)
+    host = weights if strategy == "host" else weight_bytes(f, cfg, mode, backend, "host")
+    ctx = min(DEFAULT_CTX, cfg.context_length) if ctx is None else ctx
+    return memory_plan.plan(cfg, weights, ctx=ctx, machine=machine, experts_cache_bytes=experts_cache_bytes,
+                            host=host, name=os.path.basename(f.path))
+
+
 def resident_split(f: GGUFFile, cfg: ModelConfig, n_ranks: int, numerics: str | Numerics = "default",
                    backend: str | None = None, strategy: str = "host") -> pipeline.PipelineSplit:
     """The pipeline's split for ``n_ranks`` (layer ranges and the output head's rows shared by rank 0
@@ -231,14 +308,9 @@ def resident_split(f: GGUFFile, cfg: ModelConfig, n_ranks: int, numerics: str | 
     mode = parse_numerics(numerics)
     strategy = resolve_strategy(strategy)
     w = _Weights(f, backend, strategy)
-    # the routed-expert tensors the blocks take (``_block``): another tensor named like one builds
-    # nothing, and must not take a share of the budget from them
-    routed = {n: int(f.tensor(n).nbytes) for il in range(cfg.n_layer) for part in ("gate", "up", "down")
-              if (n := f"blk.{il}.ffn_{part}_exps.weight") in f.tensors}
+    routed = _routed_names(f, cfg)
     total = sum(routed.values())
-    budget = EXPERT_CACHE.limit_bytes if EXPERT_CACHE.explicit else EXPERT_CACHE.default_bytes
-    if strategy == "host" and native.library() is not None:
-        budget = 0  # the native products read the blocks in place: the LRU never fills (ds4_mlx.native)
+    budget = _lru_budget(strategy)
 
     def nbytes(name: str, rows: range | None = None) -> int:
         lru = budget * routed[name] // total if name in routed else 0
@@ -248,7 +320,8 @@ def resident_split(f: GGUFFile, cfg: ModelConfig, n_ranks: int, numerics: str | 
 
 
 def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend: str | None = None,
-         experts: str = "auto", distributed: str | None = None, join_timeout: float | None = None) -> Model:
+         experts: str = "auto", distributed: str | None = None, join_timeout: float | None = None,
+         ctx: int | None = None, simulate_memory: float | None = None) -> Model:
     """Open a DS4 Flash GGUF (mmap) and build the model; raises a Ds4Error subclass on bad input.
 
     ``numerics``: "default" (fast path) or "ds4-cpu" (ds4.c's CPU reference arithmetic).
@@ -264,13 +337,26 @@ def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend:
     seconds) and build this rank's part: "pipeline", only its layers (``model.pipeline``);
     "experts", every dense weight and only its share of each layer's routed experts
     (``model.expert_parallel``).
+    ``ctx``: the context the sessions will use (None: ``DEFAULT_CTX`` capped at the model's) and
+    ``simulate_memory``: a machine of that many GiB instead of this one's memory, for the memory
+    plan (``model.memory_plan``): a load that does not fit raises ``MemoryPlanError`` (one line,
+    the numbers and what would fit) before any weight is read. The plan is the model's
+    ``memory_plan``. A distributed rank holds only its share: it is not planned (yet).
     """
     mode = parse_numerics(numerics)
     strategy = resolve_strategy(experts)  # bad values fail before the file is opened
     if distributed is not None and distributed not in dist.MODES:
         raise LayoutError(f"unknown distributed mode {distributed!r}; expected one of {list(dist.MODES)}")
+    if simulate_memory is not None:
+        memory_plan.simulated_machine(simulate_memory)  # a bad value fails before the file is opened
     f, cfg = _open(path)
     try:
+        plan = None
+        if distributed is None:
+            # Before ``_build`` reads any weight: the plan reads the tensor directory only.
+            # TODO(#24 merge): pass the bounded device expert cache's bytes (experts_cache_bytes=).
+            plan = plan_memory(f, cfg, mode, backend, strategy, ctx=ctx, simulate_memory=simulate_memory)
+            plan.check()
         if distributed is not None:
             size = f"{f.file_size / (1 << 20):,.0f} MiB" if f.file_size >= 1 << 20 else f"{f.file_size:,} bytes"
             group = dist.join(join_timeout, distributed, [
@@ -285,6 +371,7 @@ def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend:
                 model = _build(f, cfg, mode, backend, strategy, group=group, split=split)
         else:
             model = _build(f, cfg, mode, backend, strategy)
+        model.memory_plan = plan
         f.check_intact()  # truncated while loading: a clean error naming it, before any use
         probe_compiler()  # MLX's compiler check ignores Ctrl-C while it runs: at load, not mid-answer
         return model

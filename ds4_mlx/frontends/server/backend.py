@@ -294,8 +294,9 @@ class EngineBackend(Backend):
                  sessions: int = 1, sessions_mb: float = 0, max_queue: int = 64,
                  model_id: str = "deepseek-v4-flash", replay=None,
                  logits_hook: Callable | None = None, distributed: str | None = None,
-                 checkpoint: str | None = None) -> None:
+                 checkpoint: str | None = None, simulate_memory: float | None = None) -> None:
         self.model_path = model_path
+        self.simulate_memory = simulate_memory
         self.checkpoint = checkpoint
         self.distributed = distributed
         self.numerics = numerics
@@ -323,8 +324,10 @@ class EngineBackend(Backend):
         import ds4_mlx
         from ds4_mlx.engine.session_pool import SessionPool
 
+        # ctx: the memory plan sizes the KV at it (capped at the model's: a larger --ctx is named below)
         model = ds4_mlx.load(self.model_path, numerics=self.numerics, experts=self.experts,
-                             distributed=self.distributed, checkpoint=self.checkpoint)
+                             distributed=self.distributed, checkpoint=self.checkpoint, ctx=self.ctx,
+                             simulate_memory=self.simulate_memory)
         if self.ctx > model.context_length:
             raise Ds4Error(f"--ctx {self.ctx} is larger than the model's context length {model.context_length}")
         disk = None
