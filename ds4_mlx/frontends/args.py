@@ -135,7 +135,7 @@ SEED = ranged(int, 0, MAX_SEED, why="a 64-bit unsigned seed (0 = time-based)")
 TOKENS = ranged(int, 0, why="a count of tokens")
 # The memory plan's simulated machine (``model.memory_plan.MAX_SIMULATED_GIB``, restated: importing
 # it loads mlx, and ``ds4-mlx --help`` builds every parser; test_memory_plan checks they agree).
-MAX_SIMULATED_GIB = float(1 << 20)
+MAX_SIMULATED_GIB = 1 << 20
 SIMULATE_MEMORY = ranged(float, 0, MAX_SIMULATED_GIB, lo_open=True, why="a memory size in GiB (at most 1 PiB)")
 
 

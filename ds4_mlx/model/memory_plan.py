@@ -52,7 +52,7 @@ from ds4_mlx.model.cache import buffer_shapes, capacity_for
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 SCRATCH_MIN = GiB
 SCRATCH_FRACTION = 10  # scratch = 1/10 of the rest, at least SCRATCH_MIN (module docstring)
-MAX_SIMULATED_GIB = float(1 << 20)  # 1 PiB: anything larger is a typo, not a machine
+MAX_SIMULATED_GIB = 1 << 20  # 1 PiB: anything larger is a typo, not a machine
 # A bounded device expert cache holds at least two layers' routed experts (ds4 keeps two layers
 # for a prefill: one computing while the next one's experts arrive).
 MIN_CACHE_LAYERS = 2
@@ -111,7 +111,7 @@ def simulated_machine(gib) -> Machine:
     if isinstance(gib, bool) or not isinstance(gib, (int, float)):
         raise MemoryPlanError(f"simulate_memory must be a size in GiB, got {gib!r}")
     if not math.isfinite(gib) or not 0 < gib <= MAX_SIMULATED_GIB:
-        raise MemoryPlanError(f"simulate_memory must be a finite size in GiB in (0, {MAX_SIMULATED_GIB:g}], "
+        raise MemoryPlanError(f"simulate_memory must be a finite size in GiB in (0, {MAX_SIMULATED_GIB}], "
                               f"got {gib!r}")
     n = int(gib * GiB)
     return Machine(n, f"--simulate-memory {gib:g}", n)
