@@ -56,7 +56,8 @@ def run(args) -> int:
                 name = detect_checkpoint(header.metadata, args.model, args.checkpoint).checkpoint.value
         vset = load_vector_set(name)
     cases = vset.select(args.only)
-    engine = Engine.open(args.model, **model_options(args))
+    # the memory plan sizes the KV for the largest case's session (one at a time)
+    engine = Engine.open(args.model, **model_options(args, ctx=max((c.ctx for c in cases), default=None)))
     tty = sys.stderr.isatty()
 
     def announce(case) -> None:

@@ -351,7 +351,7 @@ class MemoryPlan:
         m = self.machine
         if m.limit is None:
             return f"unknown: the machine's memory could not be read ({m.source}); not checked"
-        room = f"{size_text(self.total)} of {size_text(m.limit)} ({m.source})"
+        room = f"{size_text(self.total)} of {size_text(m.limit)}, {m.source}"
         return f"fits: {room}" if self.fits else f"does not fit: {room}; {self.advice()}"
 
     def to_dict(self) -> dict:
