@@ -142,7 +142,9 @@ def test_default_experts_cache_bytes(flash, monkeypatch):
     n = mp.default_experts_cache_bytes(p)
     assert mp.MIN_CACHE_LAYERS * device.layer_experts <= n < device.experts_gguf
     with_cache = p._with(experts_cache_bytes=n)
-    assert with_cache.fits and with_cache.cache_bytes == n and with_cache.experts_bytes == 0
+    assert with_cache.fits and with_cache.device_cache_bytes == n and with_cache.experts_bytes == 0
+    assert with_cache.cache_bytes == n + device.expert_lru
+    assert [r.nbytes for r in with_cache.rows() if r.label == "expert cache"] == [n, device.expert_lru]
     assert not p._with(experts_cache_bytes=n + 1).fits  # the largest that fits
     assert mp.default_experts_cache_bytes(mp.plan(cfg, loader.weight_bytes(f, cfg, backend="metal"), ctx=32768,
                                                   machine=machine(48))) is None  # host: no device cache
@@ -263,6 +265,14 @@ def test_machine_readings():
     assert (sysctl_only.limit, sysctl_only.wired) == (40 * GiB, True)
     unread = mp.machine_from_readings("Linux", gpu=False, mem_total=None)
     assert unread.limit is None
+
+
+def test_cgroup_limit_files():
+    v1 = "4:memory:/process_api/abc\n1:cpu,cpuacct:/\n0::/\n"
+    assert mp.cgroup_limit_files(v1) == ["/sys/fs/cgroup/memory/process_api/abc/memory.limit_in_bytes",
+                                         "/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"]
+    assert mp.cgroup_limit_files("0::/user.slice/app.scope\n")[0] == "/sys/fs/cgroup/user.slice/app.scope/memory.max"
+    assert mp.cgroup_limit_files("") == ["/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"]
 
 
 def test_an_unread_machine_refuses_nothing(tiny_cfg):

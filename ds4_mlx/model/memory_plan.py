@@ -126,6 +126,22 @@ def _read_int(path: str) -> int | None:
         return None
 
 
+def cgroup_limit_files(proc_self_cgroup: str) -> list[str]:
+    """The files that may hold this process's cgroup memory limit, from ``/proc/self/cgroup``'s
+    text: its v2 group's ``memory.max``, its v1 memory group's ``memory.limit_in_bytes``, then the
+    roots' (a container often shows its own group as the root)."""
+    out = []
+    for line in proc_self_cgroup.splitlines():
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        path = path.strip().rstrip("/")
+        if controllers == "":
+            out.append(f"/sys/fs/cgroup{path}/memory.max")
+        elif "memory" in controllers.split(","):
+            out.append(f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes")
+    out += ["/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"]
+    return list(dict.fromkeys(out))
+
+
 def _linux_readings() -> tuple[int | None, int | None]:
     total = None
     try:
@@ -136,16 +152,13 @@ def _linux_readings() -> tuple[int | None, int | None]:
                     break
     except (OSError, ValueError, IndexError):
         pass
-    limits = []
-    try:  # cgroup v2: this process's group ("0::/path"), else the root's files
+    try:
         with open("/proc/self/cgroup") as fh:
-            for line in fh:
-                if line.startswith("0::"):
-                    limits.append(_read_int(f"/sys/fs/cgroup{line[3:].strip().rstrip('/')}/memory.max"))
+            groups = fh.read()
     except OSError:
-        pass
-    limits += [_read_int("/sys/fs/cgroup/memory.max"), _read_int("/sys/fs/cgroup/memory/memory.limit_in_bytes")]
-    limits = [n for n in limits if n]
+        groups = ""
+    # no limit reads as "max" (v2) or a huge number (v1): larger than the memory, so never the limit
+    limits = [n for n in map(_read_int, cgroup_limit_files(groups)) if n]
     return total, min(limits) if limits else None
 
 
@@ -288,11 +301,16 @@ class MemoryPlan:
         return 0 if self.experts_cache_bytes is not None else self.weights.experts_resident
 
     @property
+    def device_cache_bytes(self) -> int:
+        """A bounded device expert cache's bytes (at most every expert's); 0 without one."""
+        if self.experts_cache_bytes is None:
+            return 0
+        return min(int(self.experts_cache_bytes), self.weights.experts_gguf)
+
+    @property
     def cache_bytes(self) -> int:
-        """The expert cache: a bounded device cache (at most every expert), else the host LRU."""
-        if self.experts_cache_bytes is not None:
-            return min(int(self.experts_cache_bytes), self.weights.experts_gguf)
-        return self.weights.expert_lru
+        """Every expert cache: the bounded device cache and the dequantized-expert LRU."""
+        return self.device_cache_bytes + self.weights.expert_lru
 
     @property
     def kv(self) -> dict[int, tuple[int, int]]:
@@ -335,12 +353,11 @@ class MemoryPlan:
             how = "host strategy: read from the mapping"
         out.append(Row("routed experts", f"{size_text(w.experts_gguf)} in the file; {how}", self.experts_bytes))
         if self.experts_cache_bytes is not None:
-            out.append(Row("expert cache", f"bounded device cache of {size_text(int(self.experts_cache_bytes))}",
-                           self.cache_bytes))
-        else:
-            what = ("dequantized-expert LRU (DS4_MLX_EXPERT_CACHE_MB)" if w.expert_lru
-                    else "none (this arithmetic reads the blocks in place)")
-            out.append(Row("expert cache", what, self.cache_bytes))
+            out.append(Row("expert cache", f"bounded device cache of {size_text(int(self.experts_cache_bytes))} "
+                                           f"(raw blocks)", self.device_cache_bytes))
+        what = ("dequantized-expert LRU (DS4_MLX_EXPERT_CACHE_MB)" if w.expert_lru
+                else "no dequantized-expert LRU (this arithmetic reads the blocks)")
+        out.append(Row("expert cache", what, w.expert_lru))
         for r, (layers, nbytes) in self.kv.items():
             out.append(Row(f"KV at ctx {self.ctx}", f"{LAYER_TYPES.get(r, f'ratio {r}')}, {layers} layers", nbytes))
         out.append(Row("scratch", f"max(1 GiB, 10 % of the rest): activations, MLX's buffer cache, OS",
@@ -444,7 +461,7 @@ def default_experts_cache_bytes(p: MemoryPlan) -> int | None:
     every = p._with(experts_cache_bytes=None)
     if every.weights.strategy != "device" or every.fits is not False:
         return None
-    base = p.weights.dense_bytes + p.kv_total
+    base = p.weights.dense_bytes + p.weights.expert_lru + p.kv_total
     n = _largest_fitting(p.machine.limit) - base
     floor = MIN_CACHE_LAYERS * p.weights.layer_experts
     if n < floor:
