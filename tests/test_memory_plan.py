@@ -352,3 +352,19 @@ def test_size_text():
     assert mp.size_text(0) == "0 B" and mp.size_text(1536) == "1.5 KiB"
     assert mp.size_text(GiB - 40) == "1 GiB" and mp.size_text(512 * MiB) == "512 MiB"
     assert mp.size_text(1100 * GiB) == "1100 GiB"
+
+
+def test_chat_ctx_is_planned_too(monkeypatch, capsys, tmp_path, tiny_model_path):
+    """chat's ``/ctx N`` after the load: a KV that does not fit is one line naming a /ctx that does."""
+    import io
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("/ctx 1000000\n/ctx 4096\n/quit\n"))
+    rc = main(["chat", "-m", str(tiny_model_path), "--ctx", "64", "--simulate-memory", "1.5",
+               "--chat-dir", str(tmp_path / "chats")])
+    err = capsys.readouterr().err
+    assert rc == 0 and "Traceback" not in err
+    refusal = [line for line in err.splitlines() if "/ctx 1000000" in line]
+    assert len(refusal) == 1 and "does not fit in memory" in refusal[0] and "> 1.5 GiB" in refusal[0]
+    smaller = int(refusal[0].split("; /ctx ")[1].split()[0])
+    assert 4096 <= smaller < 1000000 and "ctx 4096: new session" in err

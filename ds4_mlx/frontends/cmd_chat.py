@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 
 from ds4_mlx.chat.template import DEFAULT_CTX, DEFAULT_SYSTEM, THINK_CLOSE, THINK_OPEN, ChatTranscript, ThinkMode
-from ds4_mlx.errors import Ds4Error
+from ds4_mlx.errors import Ds4Error, MemoryPlanError
 from ds4_mlx.frontends.cmd_demo import default_cache_dir  # one cache folder for demo model, chats, history
 from ds4_mlx.frontends.args import (MAX_CTX, SEED, TOKENS, add_ctx_option, add_disk_cache_options,
                                     add_model_options, add_sampling_options, add_system_option,
@@ -498,6 +498,11 @@ class ChatRepl:
             raise ChatCommandError(str(exc)) from None
         if ctx > self.engine.context_length:
             raise ChatCommandError(f"/ctx {ctx} is larger than the model's context length {self.engine.context_length}")
+        if self.engine.memory_plan is not None:  # the load was planned for --ctx: a larger KV must fit too
+            try:
+                self.engine.memory_plan.check_ctx(ctx, "/ctx")
+            except MemoryPlanError as exc:
+                raise ChatCommandError(str(exc)) from None
         disk = self._open_disk_cache(ctx) if self.args.kv_disk_dir else None
         self.session = self._new_session(ctx)
         self.disk = disk

@@ -432,6 +432,16 @@ class MemoryPlan:
                 f" + expert cache {size_text(self.cache_bytes)} + KV at ctx {self.ctx} {size_text(kv)}"
                 f" + scratch {size_text(self.scratch)} = {size_text(self.total)}")
 
+    def check_ctx(self, ctx: int, what: str = "ctx") -> None:
+        """Raise ``MemoryPlanError`` unless this load fits with sessions of ``ctx`` tokens (a chat's
+        ``/ctx N`` after the load), naming the largest halving that does; ``what`` names the option."""
+        at = self._with(ctx=min(int(ctx), self.cfg.context_length))
+        if at.fits is False:
+            smaller = at._fitting_ctx()
+            hint = f"; {what} {smaller.ctx} fits ({size_text(smaller.total)})" if smaller is not None else ""
+            raise MemoryPlanError(f"{what} {ctx} does not fit in memory: {at.summary()} > "
+                                  f"{size_text(self.machine.limit)}, {self.machine.source}{hint}")
+
     def check(self) -> None:
         """Raise ``MemoryPlanError`` (one line: the sum, the limit, what would fit) unless it fits."""
         if self.fits is False:
