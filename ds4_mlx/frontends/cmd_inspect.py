@@ -21,7 +21,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ds4_mlx.chat.template import DEFAULT_CTX
+from ds4_mlx.formats.config import DEFAULT_CTX
 from ds4_mlx.frontends.args import CTX, EXPERT_STRATEGIES, SIMULATE_MEMORY, UsageError
 from ds4_mlx.frontends.terminal_text import escape_text, human_size
 
