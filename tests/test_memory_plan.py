@@ -263,6 +263,10 @@ def test_machine_readings():
     assert raised.limit == 56 * GiB and "iogpu.wired_limit_mb=57344" in raised.source
     sysctl_only = mp.machine_from_readings("Darwin", gpu=True, mem_total=64 * GiB, wired_limit_mb=40960)
     assert (sysctl_only.limit, sysctl_only.wired) == (40 * GiB, True)
+    cuda = mp.machine_from_readings("Linux", gpu=True, mem_total=128 * GiB, gpu_memory=80 * GiB)
+    assert (cuda.limit, cuda.source) == (80 * GiB, "the GPU's memory")
+    assert mp.machine_from_readings("Linux", gpu=False, mem_total=128 * GiB, gpu_memory=80 * GiB).limit == 128 * GiB
+    assert mp.machine_from_readings("Linux", gpu=True, mem_total=64 * GiB, gpu_memory=80 * GiB).limit == 64 * GiB
     unread = mp.machine_from_readings("Linux", gpu=False, mem_total=None)
     assert unread.limit is None
 

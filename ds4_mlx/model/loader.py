@@ -21,7 +21,7 @@ from ds4_mlx.formats.layout import load_model_file
 from ds4_mlx.model.attention import Attention
 from ds4_mlx.model.compiled_decode import probe_compiler
 from ds4_mlx.model.compressor import Compressor
-from ds4_mlx.model.device_experts import DeviceExpertWeights, resolve_strategy
+from ds4_mlx.model.device_experts import DeviceExpertWeights, gpu_backend, resolve_strategy
 from ds4_mlx.model.experts import EXPERT_CACHE, ExpertWeights, routed_resident_nbytes
 from ds4_mlx.model.hyper_connection import HyperConnection, OutputHC
 from ds4_mlx.model.indexer import Indexer
@@ -281,8 +281,9 @@ def plan_memory(f: GGUFFile, cfg: ModelConfig, numerics: str | Numerics = "defau
     ``DEFAULT_CTX`` capped at the model's, the default a session gets)."""
     mode = parse_numerics(numerics)
     strategy = resolve_strategy(strategy)
+    gpu = resolve_backend(backend) is Backend.METAL or gpu_backend() == "cuda"  # MLX's buffers on a GPU
     machine = (memory_plan.simulated_machine(simulate_memory) if simulate_memory is not None
-               else memory_plan.read_machine(gpu=resolve_backend(backend) is Backend.METAL))
+               else memory_plan.read_machine(gpu=gpu))
     weights = weight_bytes(f, cfg, mode, backend, strategy)
     host = weights if strategy == "host" else weight_bytes(f, cfg, mode, backend, "host")
     ctx = min(DEFAULT_CTX, cfg.context_length) if ctx is None else ctx

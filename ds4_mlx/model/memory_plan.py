@@ -26,7 +26,8 @@
 
 The machine's limit: on Linux MemTotal, or the process's cgroup limit when lower; on macOS with a
 GPU backend the Metal working-set limit (``recommendedMaxWorkingSetSize`` = the GPU wired limit,
-``sysctl iogpu.wired_limit_mb``), which MLX's buffers must fit in, else hw.memsize;
+``sysctl iogpu.wired_limit_mb``), which MLX's buffers must fit in, else hw.memsize; on a CUDA GPU its
+memory when smaller than the host's (MLX's buffers live there);
 ``simulate_memory`` (GiB) replaces the reading (tests, and users checking a smaller machine). Unlike
 ds4's ``--simulate-used-memory``, which locks that much memory away, it only changes the plan's
 limit. ``read_machine`` is the one function here that reads the system; everything else is
@@ -86,10 +87,12 @@ class Machine:
 
 
 def machine_from_readings(system: str, *, gpu: bool, mem_total: int | None, cgroup_limit: int | None = None,
-                          working_set: int | None = None, wired_limit_mb: int | None = None) -> Machine:
+                          working_set: int | None = None, wired_limit_mb: int | None = None,
+                          gpu_memory: int | None = None) -> Machine:
     """The ``Machine`` of these readings (bytes, None when unread): ``system`` as ``platform.system()``;
-    ``gpu``: MLX computes on a GPU (Metal); ``working_set``: Metal's recommendedMaxWorkingSetSize;
-    ``wired_limit_mb``: ``sysctl iogpu.wired_limit_mb`` (0: macOS's default)."""
+    ``gpu``: MLX computes on a GPU (Metal, CUDA); ``working_set``: Metal's
+    recommendedMaxWorkingSetSize; ``wired_limit_mb``: ``sysctl iogpu.wired_limit_mb`` (0: macOS's
+    default); ``gpu_memory``: a CUDA device's memory (MLX's buffers live there, not in host RAM)."""
     if system == "Darwin" and gpu:
         if working_set:
             why = (f"iogpu.wired_limit_mb={wired_limit_mb}" if wired_limit_mb
@@ -101,9 +104,12 @@ def machine_from_readings(system: str, *, gpu: bool, mem_total: int | None, cgro
         return Machine(mem_total, "hw.memsize (the GPU wired limit could not be read)", mem_total)
     if system == "Darwin":
         return Machine(mem_total, "hw.memsize", mem_total)
-    if cgroup_limit is not None and mem_total is not None and cgroup_limit < mem_total:
-        return Machine(int(cgroup_limit), "the cgroup memory limit", mem_total)
-    return Machine(mem_total, "MemTotal" if system == "Linux" else "physical memory", mem_total)
+    host = (Machine(int(cgroup_limit), "the cgroup memory limit", mem_total)
+            if cgroup_limit is not None and mem_total is not None and cgroup_limit < mem_total
+            else Machine(mem_total, "MemTotal" if system == "Linux" else "physical memory", mem_total))
+    if gpu and gpu_memory and (host.limit is None or gpu_memory < host.limit):
+        return Machine(int(gpu_memory), "the GPU's memory", mem_total)
+    return host
 
 
 def simulated_machine(gib) -> Machine:
@@ -170,12 +176,25 @@ def _sysctl_int(name: str) -> int | None:
         return None
 
 
+def _device_info(key: str) -> int | None:
+    """An integer of MLX's GPU ``device_info`` (Metal: max_recommended_working_set_size, CUDA:
+    total_memory); None when MLX does not report it."""
+    import mlx.core as mx
+
+    info = getattr(mx, "device_info", None) or mx.metal.device_info
+    try:
+        return int(info().get(key) or 0) or None
+    except Exception:  # a reading only: without it the plan uses the host's memory
+        return None
+
+
 def read_machine(gpu: bool) -> Machine:
     """This machine's ``Machine`` (the one function of the plan that reads the system)."""
     system = platform.system()
     if system == "Linux":
         total, cgroup = _linux_readings()
-        return machine_from_readings(system, gpu=gpu, mem_total=total, cgroup_limit=cgroup)
+        return machine_from_readings(system, gpu=gpu, mem_total=total, cgroup_limit=cgroup,
+                                     gpu_memory=_device_info("total_memory") if gpu else None)
     total = None
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -186,13 +205,7 @@ def read_machine(gpu: bool) -> Machine:
     total = _sysctl_int("hw.memsize") or total
     working_set = wired_mb = None
     if gpu:
-        import mlx.core as mx
-
-        info = getattr(mx, "device_info", None) or mx.metal.device_info
-        try:
-            working_set = int(info().get("max_recommended_working_set_size") or 0) or None
-        except Exception:  # a diagnostic reading: without it the plan falls back to hw.memsize
-            working_set = None
+        working_set = _device_info("max_recommended_working_set_size")
         wired_mb = _sysctl_int("iogpu.wired_limit_mb")
     return machine_from_readings(system, gpu=gpu, mem_total=total, working_set=working_set,
                                  wired_limit_mb=wired_mb)
