@@ -157,12 +157,28 @@ def test_default_experts_cache_bytes(flash, monkeypatch):
 
 
 def test_largest_fitting_is_the_boundary():
-    for limit in (0, GiB - 1, GiB, 3 * GiB, 11 * GiB - 1, 11 * GiB, 11 * GiB + 7, 48 * GiB + 12345):
-        x = mp._largest_fitting(limit)
-        if x < 0:
-            assert limit < mp.SCRATCH_MIN
-            continue
-        assert x + mp.scratch_bytes(x) <= limit < x + 1 + mp.scratch_bytes(x + 1)
+    for floor in (mp.SCRATCH_MIN, 3 * GiB + 5):
+        for limit in (0, GiB - 1, GiB, 3 * GiB, 11 * GiB - 1, 11 * GiB, 11 * GiB + 7, 48 * GiB + 12345):
+            x = mp._largest_fitting(limit, floor)
+            if x < 0:
+                assert limit < floor
+                continue
+            assert x + mp.scratch_bytes(x, floor) <= limit < x + 1 + mp.scratch_bytes(x + 1, floor)
+
+
+def test_scratch_floor_is_a_prefill_chunk_at_real_dims(flash, tiny_cfg):
+    """At DS4 Flash's dims a 2048-token chunk's activations (~2.8 GiB) are the floor; the tiny
+    model's are far below 1 GiB; the Session's default chunk is the one planned for."""
+    from ds4_mlx.engine.session import DEFAULT_CHUNK
+
+    _, cfg = flash
+    assert mp.PREFILL_CHUNK == DEFAULT_CHUNK
+    real = mp.prefill_bytes(cfg)
+    assert real == 6 * 4 * (4 * 4096 + 64 * 512 + 6 * 2048) * 2048
+    assert 2 * GiB < real < 4 * GiB and mp.prefill_bytes(tiny_cfg) < GiB // 2
+    w = mp.WeightBytes("host", "default", "cpu", (), 0, 0, 0, 0)
+    assert mp.plan(cfg, w, ctx=64, machine=machine(64)).scratch == real
+    assert mp.plan(tiny_cfg, w, ctx=64, machine=machine(64)).scratch == mp.SCRATCH_MIN
 
 
 # -- KV at ctx: what the cache allocates ---------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The memory plan of a load: what the model will hold, checked against the machine before any weight is read.
 
     total = dense weights (per form) + routed experts + expert cache + KV at ctx + scratch
-    scratch = max(1 GiB, total_before_scratch / 10)
+    scratch = max(1 GiB, a prefill chunk's activations, total_before_scratch / 10)
     fits  <=>  total <= machine.limit
 
 * Dense weights: each tensor's resident form as the loader builds it (``loader._Weights.resident_nbytes``:
@@ -18,11 +18,14 @@
   (ratio 0), window + compressed rows (ratio 128), window + compressed rows + indexer rows (ratio 4).
   One session's live cache; each further live session (``serve --sessions``) or checkpoint holds
   up to one more.
-* Scratch: what the plan cannot size exactly and a process still needs: MLX's buffer cache and a
-  prefill chunk's activations and attention scores, the expert groups dequantized during a prefill
-  (``DS4_MLX_EXPERT_GROUP_MB``, 512 MiB), session checkpoints, Python, the tokenizer and the OS
-  beside us. 10 % of the rest, at least 1 GiB: the floor covers a small model, whose fixed costs do
-  not shrink with it; the fraction grows with the model like the allocator's cache does.
+* Scratch: what the plan cannot size buffer by buffer and a process still needs: MLX's buffer cache,
+  a prefill chunk's activations and the expert groups it dequantizes (``DS4_MLX_EXPERT_GROUP_MB``),
+  session checkpoints, Python, the tokenizer and the OS beside us. The largest of: 1 GiB (a small
+  model's fixed costs, which do not shrink with it); ``prefill_bytes``, a 2048-token chunk's
+  activations, PREFILL_COPIES float32 copies of a token's widest rows (residual streams, query
+  heads, routed intermediates), which do not grow with the layers (measured at real dims on the
+  4-layer model: 3.5 to 4.6 copies over the planned buffers at the peak, benchmarks/NOTES.md); 10 % of
+  the rest, which grows with the model like the allocator's cache does.
 
 The machine's limit: on Linux MemTotal, or the process's cgroup limit when lower; on macOS with a
 GPU backend the Metal working-set limit (``recommendedMaxWorkingSetSize`` = the GPU wired limit,
@@ -52,7 +55,12 @@ from ds4_mlx.model.cache import buffer_shapes, capacity_for
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 SCRATCH_MIN = GiB
-SCRATCH_FRACTION = 10  # scratch = 1/10 of the rest, at least SCRATCH_MIN (module docstring)
+SCRATCH_FRACTION = 10  # scratch = 1/10 of the rest, at least the floor (module docstring)
+# A prefill chunk (ds4's 2048 tokens, the Session's default, engine.session.DEFAULT_CHUNK: restated,
+# the model layer does not import the engine; test_memory_plan checks they agree) and how many
+# float32 copies of a token's widest activations are alive at its peak (module docstring).
+PREFILL_CHUNK = 2048
+PREFILL_COPIES = 6
 MAX_SIMULATED_GIB = 1 << 20  # 1 PiB: anything larger is a typo, not a machine
 # A bounded device expert cache holds at least two layers' routed experts (ds4 keeps two layers
 # for a prefill: one computing while the next one's experts arrive).
@@ -264,22 +272,30 @@ def kv_bytes(cfg: ModelConfig, ctx: int) -> dict[int, tuple[int, int]]:
     return dict(sorted(out.items()))
 
 
-def scratch_bytes(rest: int) -> int:
-    """Runtime scratch beside ``rest`` planned bytes (module docstring)."""
-    return max(SCRATCH_MIN, rest // SCRATCH_FRACTION)
+def prefill_bytes(cfg: ModelConfig, chunk: int = PREFILL_CHUNK) -> int:
+    """A prefill chunk's activations at their peak (module docstring): ``PREFILL_COPIES`` float32
+    copies, per token, of the hyper-connection streams, the query heads and the routed experts'
+    intermediates."""
+    widest = cfg.n_hc * cfg.n_embd + cfg.n_head * cfg.head_dim + cfg.n_expert_used * cfg.n_ff_exp
+    return PREFILL_COPIES * 4 * widest * int(chunk)
 
 
-def _largest_fitting(limit: int) -> int:
-    """The largest x with x + scratch_bytes(x) <= limit (-1 when even 0 does not fit)."""
-    x = limit - SCRATCH_MIN
+def scratch_bytes(rest: int, floor: int = SCRATCH_MIN) -> int:
+    """Runtime scratch beside ``rest`` planned bytes: 10 % of it, at least ``floor``."""
+    return max(floor, rest // SCRATCH_FRACTION)
+
+
+def _largest_fitting(limit: int, floor: int = SCRATCH_MIN) -> int:
+    """The largest x with x + scratch_bytes(x, floor) <= limit (-1 when even 0 does not fit)."""
+    x = limit - floor
     if x < 0:
         return -1
-    if scratch_bytes(x) == SCRATCH_MIN:
+    if scratch_bytes(x, floor) == floor:
         return x
     x = limit * SCRATCH_FRACTION // (SCRATCH_FRACTION + 1)
-    while x + scratch_bytes(x) > limit:
+    while x + scratch_bytes(x, floor) > limit:
         x -= 1
-    while x + 1 + scratch_bytes(x + 1) <= limit:
+    while x + 1 + scratch_bytes(x + 1, floor) <= limit:
         x += 1
     return x
 
@@ -339,8 +355,13 @@ class MemoryPlan:
         return self.weights.dense_bytes + self.experts_bytes + self.cache_bytes + self.kv_total
 
     @property
+    def scratch_floor(self) -> int:
+        """The scratch's least: 1 GiB, or a prefill chunk's activations when larger."""
+        return max(SCRATCH_MIN, prefill_bytes(self.cfg))
+
+    @property
     def scratch(self) -> int:
-        return scratch_bytes(self.planned)
+        return scratch_bytes(self.planned, self.scratch_floor)
 
     @property
     def total(self) -> int:
@@ -373,8 +394,9 @@ class MemoryPlan:
         out.append(Row("expert cache", what, w.expert_lru))
         for r, (layers, nbytes) in self.kv.items():
             out.append(Row(f"KV at ctx {self.ctx}", f"{LAYER_TYPES.get(r, f'ratio {r}')}, {layers} layers", nbytes))
-        out.append(Row("scratch", f"max(1 GiB, 10 % of the rest): activations, MLX's buffer cache, OS",
-                       self.scratch))
+        out.append(Row("scratch", f"the most of 1 GiB, a {PREFILL_CHUNK}-token prefill chunk's activations "
+                                  f"({size_text(prefill_bytes(self.cfg))}) and 10 % of the rest: "
+                                  f"MLX's buffer cache, Python, the OS", self.scratch))
         return out
 
     def verdict(self) -> str:
@@ -485,7 +507,7 @@ def default_experts_cache_bytes(p: MemoryPlan) -> int | None:
     if every.weights.strategy != "device" or every.fits is not False:
         return None
     base = p.weights.dense_bytes + p.weights.expert_lru + p.kv_total
-    n = _largest_fitting(p.machine.limit) - base
+    n = _largest_fitting(p.machine.limit, p.scratch_floor) - base
     floor = MIN_CACHE_LAYERS * p.weights.layer_experts
     if n < floor:
         need = p._with(experts_cache_bytes=floor)
