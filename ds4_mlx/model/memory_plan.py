@@ -8,11 +8,12 @@
   float32 on MLX's CPU backend, ~3.8x a Q8_0 weight's GGUF bytes; 8-bit affine on Metal; ds4-cpu's
   decomposition), grouped by GGUF type. The embedding and the hash-routing tables are gathered row
   by row from the mapping and never resident as a whole: 0.
-* Routed experts (~95 % of the 2-bit file): the "device" strategy copies every expert's raw blocks
+* Routed experts (~90 % of the 2-bit file): the "device" strategy copies every expert's raw blocks
   into MLX memory (their GGUF bytes); "host" reads the selected ones out of the mapping: 0.
-* Expert cache: the host strategy's dequantized-expert LRU (``experts.EXPERT_CACHE``) where the
-  arithmetic fills it, or a bounded device expert cache of ``experts_cache_bytes`` (then the routed
-  experts themselves are not all resident).
+* Expert cache: the dequantized-expert LRU (``experts.EXPERT_CACHE``) where the arithmetic fills it
+  (DEFAULT numerics on the MLX-ops path: neither the native host products nor the Metal kernels),
+  and a bounded device expert cache of ``experts_cache_bytes`` (then the routed experts themselves
+  are not all resident).
 * KV at ctx: the buffers ``cache.LayerCache`` allocates for a context of ``ctx`` tokens
   (``cache.buffer_shapes`` at ``capacity_for(ctx - 1)``), per layer type: the raw window only
   (ratio 0), window + compressed rows (ratio 128), window + compressed rows + indexer rows (ratio 4).
@@ -24,8 +25,8 @@
   model's fixed costs, which do not shrink with it); ``prefill_bytes``, a 2048-token chunk's
   activations, PREFILL_COPIES float32 copies of a token's widest rows (residual streams, query
   heads, routed intermediates), which do not grow with the layers (measured at real dims on the
-  4-layer model: 3.5 to 4.6 copies over the planned buffers at the peak, benchmarks/NOTES.md); 10 % of
-  the rest, which grows with the model like the allocator's cache does.
+  4-layer model: 3.5 to 4.6 copies over the planned buffers at the peak, benchmarks/NOTES.md);
+  10 % of the rest, which grows with the model like the allocator's cache does.
 
 The machine's limit: on Linux MemTotal, or the process's cgroup limit when lower; on macOS with a
 GPU backend the Metal working-set limit (``recommendedMaxWorkingSetSize`` = the GPU wired limit,
