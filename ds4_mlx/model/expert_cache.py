@@ -31,14 +31,8 @@ its construction copy (~2/3 of a layer's routed bytes), and DEFAULT numerics' de
 ds4 reserves two full layers for prefill; that is the slack stated for this working set
 (``prefill_reserve_nbytes``).
 
-Budget (``parse_experts_cache``): None = every expert resident (the unbounded strategy, unchanged);
-a count N (the string "N") = ds4's ``--ssd-streaming-cache-experts N``: N expert triplets in all,
-split evenly over the routed layers (ds4's count is global; fixed per-layer slot arrays need a
-per-layer share, and every layer of a token routes to k experts, so an even split is what a
-decode step uses); bytes (an int, or "8GB", "512MiB", GB = GiB as ds4) = ds4's ``NGB``: the budget
-holds two full layers of prefill reserve (ds4's rule) and the slots, the slots being as many per
-layer as fit in the rest. A budget of all the experts or more is the unbounded strategy. Fewer
-than k (``n_expert_used``) slots per layer is refused: one token needs its k experts at once.
+Budget (``expert_budget``): slots per layer from ds4's N (a global count of expert triplets, split
+evenly over the routed layers) or NGB (bytes, two full layers of it kept for prefill).
 
 Counters (``CacheCounters``, summed over layers by ``ExpertCacheSet.counters``): ``hits`` and
 ``misses`` per accessed expert of a layer call, ``bytes_read`` from the mapping (slot loads and
@@ -47,8 +41,6 @@ transients).
 
 from __future__ import annotations
 
-import math
-import re
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -57,113 +49,9 @@ import numpy as np
 from ds4_mlx.errors import LayoutError
 from ds4_mlx.model import metal_kernels
 from ds4_mlx.model.device_experts import DEVICE_MAX_PAIRS, DeviceExpertWeights, expert_matvec_twin_ids
+from ds4_mlx.model.expert_budget import CachePlan
 from ds4_mlx.model.expert_cache_policy import DEFAULT_POLICY, POLICIES, SlotPolicy, make_policy
 from ds4_mlx.model.experts import ExpertCache, ExpertWeights, check_expert_call
-
-# ds4's NGB reserve: two full routed layers kept free for a prefill chunk's working set.
-PREFILL_RESERVE_LAYERS = 2
-
-_UNITS = {"": None, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-_BUDGET_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
-
-
-@dataclass(frozen=True)
-class Budget:
-    """A parsed ``experts_cache``: ``kind`` "experts" (a count of expert triplets) or "bytes"."""
-
-    kind: str
-    amount: int
-
-    def __str__(self) -> str:
-        return f"{self.amount} experts" if self.kind == "experts" else f"{self.amount / 2**20:.0f} MiB"
-
-
-def parse_experts_cache(value) -> Budget | None:
-    """``experts_cache`` -> ``Budget`` or None (all resident). An int is bytes; a string is a count
-    ("1024") or a size ("8GB", "512MiB", "1.5G"; K/M/G/T are powers of 1024, as ds4's GB). Zero,
-    negative, NaN, booleans and anything else are a one-line ``LayoutError``."""
-    if value is None:
-        return None
-    what = f"experts_cache {value!r}"
-    if isinstance(value, bool):
-        raise LayoutError(f"{what}: expected bytes (int), a size string ('8GB') or an expert count ('256')")
-    if isinstance(value, (int, np.integer)):
-        if value <= 0:
-            raise LayoutError(f"{what}: a budget must be positive")
-        return Budget("bytes", int(value))
-    if isinstance(value, float):
-        if not math.isfinite(value) or value <= 0:
-            raise LayoutError(f"{what}: a budget must be a positive finite number of bytes")
-        return Budget("bytes", int(value))
-    if not isinstance(value, str):
-        raise LayoutError(f"{what}: expected bytes (int), a size string ('8GB') or an expert count ('256')")
-    m = _BUDGET_RE.match(value)
-    if not m:
-        raise LayoutError(f"{what}: expected an expert count ('256') or a size such as '8GB' or '512MiB'")
-    number, prefix, suffix = m.group(1), m.group(2).lower(), m.group(3)
-    if not prefix and not suffix:  # a bare number: an expert count, as ds4's N
-        if "." in number:
-            raise LayoutError(f"{what}: an expert count must be a whole number (a size needs a unit: '1.5GB')")
-        n = int(number)
-        if n <= 0:
-            raise LayoutError(f"{what}: a budget must be positive")
-        return Budget("experts", n)
-    nbytes = int(float(number) * _UNITS[prefix or "b"])
-    if nbytes <= 0:
-        raise LayoutError(f"{what}: a budget must be positive")
-    return Budget("bytes", nbytes)
-
-
-@dataclass(frozen=True)
-class CachePlan:
-    """How the loader sizes the caches: ``slots`` per routed layer, or None (every expert fits)."""
-
-    slots: int | None
-    budget: Budget | None
-    triplet_nbytes: tuple[int, ...]    # per routed layer: one expert's gate + up + down bytes
-    n_expert: int
-
-    @property
-    def cache_nbytes(self) -> int:
-        """Bytes of all slot arrays (allocated once at load)."""
-        return 0 if self.slots is None else self.slots * sum(self.triplet_nbytes)
-
-    @property
-    def prefill_reserve_nbytes(self) -> int:
-        """ds4's prefill headroom: two full routed layers (the largest)."""
-        if not self.triplet_nbytes:
-            return 0
-        return PREFILL_RESERVE_LAYERS * self.n_expert * max(self.triplet_nbytes)
-
-
-def plan_cache(budget: Budget | None, *, triplet_nbytes: list[int], n_expert: int, n_used: int) -> CachePlan:
-    """Slots per layer for ``budget`` over layers whose expert triplets weigh ``triplet_nbytes``."""
-    trip = tuple(int(t) for t in triplet_nbytes)
-    plan = CachePlan(None, budget, trip, int(n_expert))
-    if budget is None or not trip:
-        return plan
-    n_layers, per_slot = len(trip), sum(trip)
-    if budget.kind == "experts":
-        if budget.amount >= n_layers * n_expert:
-            return plan
-        slots = budget.amount // n_layers
-        if slots < n_used:
-            raise LayoutError(f"experts_cache {budget.amount} experts is {slots} per routed layer over "
-                              f"{n_layers} layers; a token routes to {n_used} per layer: give at least "
-                              f"{n_used * n_layers}")
-        return CachePlan(slots, budget, trip, int(n_expert))
-    if budget.amount >= per_slot * n_expert:
-        return plan
-    reserve = plan.prefill_reserve_nbytes
-    slots = max(0, budget.amount - reserve) // per_slot
-    if slots < n_used:
-        need = reserve + n_used * per_slot
-        raise LayoutError(f"experts_cache {budget.amount / 2**20:.0f} MiB holds {slots} experts per routed "
-                          f"layer after ds4's prefill reserve of {PREFILL_RESERVE_LAYERS} full layers "
-                          f"({reserve / 2**20:.0f} MiB); a token routes to {n_used} per layer: give at "
-                          f"least {math.ceil(need / 2**20)} MiB, or an expert count")
-    return CachePlan(min(slots, n_expert), budget, trip, int(n_expert))
-
 
 @dataclass(frozen=True)
 class CacheCounters:

@@ -90,17 +90,19 @@ class SlotPolicy:
             raise ValueError("the experts of an access must be distinct")
         self.tick += 1
         self._observe(experts, counts)
-        slots = self.slot_of[experts].copy()
-        hit = slots >= 0
-        n_hit = int(hit.sum())
-        self.hits += n_hit
-        self.misses += int(experts.size - n_hit)
+        before = self.slot_of[experts].copy()
+        hit = before >= 0
         if experts.size <= self.n_slots:
             admit = experts[~hit]
         else:
             admit = self._admit_many(experts, counts, hit)
         load_slots = self._place(admit, pinned=experts[hit])
         slots = self.slot_of[experts].copy()
+        # a hit is an expert read from its slot: one resident before that a large access dropped
+        # (its slot reused) is read from the mapping, a miss
+        n_hit = int((hit & (slots == before)).sum())
+        self.hits += n_hit
+        self.misses += int(experts.size - n_hit)
         return Access(slots=slots, load_experts=admit, load_slots=load_slots, hits=n_hit,
                       misses=int(experts.size - n_hit))
 

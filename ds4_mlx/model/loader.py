@@ -22,8 +22,8 @@ from ds4_mlx.model.attention import Attention
 from ds4_mlx.model.compiled_decode import probe_compiler
 from ds4_mlx.model.compressor import Compressor
 from ds4_mlx.model.device_experts import DeviceExpertWeights, resolve_strategy
-from ds4_mlx.model.expert_cache import (CachedDeviceExpertWeights, ExpertCacheSet, check_policy,
-                                        parse_experts_cache, plan_cache)
+from ds4_mlx.model.expert_budget import parse_experts_cache, plan_cache
+from ds4_mlx.model.expert_cache import CachedDeviceExpertWeights, ExpertCacheSet, check_policy
 from ds4_mlx.model.experts import EXPERT_CACHE, ExpertWeights, routed_resident_nbytes
 from ds4_mlx.model.hyper_connection import HyperConnection, OutputHC
 from ds4_mlx.model.indexer import Indexer
