@@ -274,3 +274,38 @@ def test_the_budget_holds_in_mlx_memory(routed_model, monkeypatch, numerics):
     assert resident > budget + plan.prefill_reserve_nbytes  # a model where the bound means something
     assert peak_all > bound, (peak_all / 2**20, bound / 2**20)
     experts_mod.EXPERT_CACHE.clear()
+
+
+# -- stats --------------------------------------------------------------------------------------------
+
+
+def test_stats_line_and_metrics_report_the_cache():
+    from ds4_mlx.engine.generate import GenerationStats
+    from ds4_mlx.frontends.server.metrics import Metrics
+
+    st = GenerationStats(prompt_tokens=10, generation_tokens=4, decode_s=1.0, expert_hits=18, expert_misses=6,
+                         expert_bytes_read=4 << 20, expert_prefill_misses=40, expert_prefill_bytes_read=30 << 20)
+    assert st.expert_hit_rate == 0.75 and st.expert_bytes_per_token == 1 << 20
+    line = st.summary()
+    assert "experts cache: decode 75.0 % hits, 1.00 MiB read/token, prefill 30 MiB read" in line
+    assert "experts cache" not in GenerationStats(prompt_tokens=3).summary()
+    m = Metrics()
+    m.generation(finish="stop", prompt=10, cached=0, completion=4, source="none", prefill_s=1.0, decode_s=1.0,
+                 expert_hits=18, expert_misses=6, expert_bytes=(30 << 20, 4 << 20))
+    text = m.render(queue_depth=0, busy=False)
+    assert "ds4_expert_cache_hits_total 18" in text and "ds4_expert_cache_misses_total 6" in text
+    assert f'ds4_expert_cache_bytes_read_total{{phase="decode"}} {4 << 20}' in text
+    assert f'ds4_expert_cache_bytes_read_total{{phase="prefill"}} {30 << 20}' in text
+
+
+def test_generate_reports_the_cache(tiny_model_path):
+    """The engine's stats of a generation with a bounded cache: decode and prefill counters."""
+    import ds4_mlx
+
+    eng = ds4_mlx.load(tiny_model_path, experts="device", experts_cache="30")
+    res = ds4_mlx.generate(eng, "Tell me about caches", max_tokens=4, temperature=0, raw=True)
+    st = res.stats
+    # the generated tokens but the last are fed back: 3 decode steps, k=4 experts on every layer
+    assert st.expert_hits + st.expert_misses == 3 * 4 * eng.config.n_layer
+    assert st.expert_prefill_bytes_read > 0 and st.expert_bytes_read == st.expert_bytes_per_token * 4
+    assert "experts cache: decode" in st.summary()
