@@ -191,8 +191,11 @@ class CachedDeviceExpertWeights(DeviceExpertWeights):
     routes_on_device = False  # the ids come to the host: misses are read from the mapping
 
     def __init__(self, name, qtype, raw: np.ndarray, n_in: int, cache: LayerExpertCache, backend=None,
-                 use_kernels=None):
+                 use_kernels=None, source=None):
         ExpertWeights.__init__(self, name, qtype, raw, n_in, backend, use_kernels)  # no full copy
+        # the GGUFFile ``raw`` maps: read slabs' pages are dropped from the resident set after the
+        # copy (``GGUFFile.drop_pages``), so the process's RSS holds the slots, not the file
+        self.source = source
         self.expert_cache = cache
         self.slots = cache.register(self)
         # no dequantized LRU: the budget bounds what stays in memory (a prefill chunk dequantizes
@@ -205,7 +208,8 @@ class CachedDeviceExpertWeights(DeviceExpertWeights):
         info = gguf_file.tensor(name)
         if len(info.shape) != 3:
             raise LayoutError(f"tensor {name!r}: expected a 3-D expert tensor, got shape {info.shape}")
-        return cls(name, info.ggml_type, gguf_file.tensor_array(name), info.shape[2], cache, backend, use_kernels)
+        return cls(name, info.ggml_type, gguf_file.tensor_array(name), info.shape[2], cache, backend, use_kernels,
+                   source=gguf_file)
 
     @property
     def blocks(self) -> mx.array:
@@ -220,7 +224,13 @@ class CachedDeviceExpertWeights(DeviceExpertWeights):
         """Copy ``experts``' slabs out of the mapping into their slots (one batched copy)."""
         slabs = np.take(self.raw, experts, axis=0)
         self.bytes_read += int(slabs.nbytes)
+        self._drop(experts)
         self.slots[slot_idx] = mx.array(slabs)
+
+    def _drop(self, experts: np.ndarray) -> None:
+        if self.source is not None:
+            for e in experts:
+                self.source.drop_pages(self.raw[int(e)])
 
     def _read(self, experts: np.ndarray) -> mx.array:
         """The blocks of ``experts`` (a subset of the current call's): from their slots, or read
@@ -236,6 +246,7 @@ class CachedDeviceExpertWeights(DeviceExpertWeights):
             out[resident] = np.asarray(self.slots)[slots[resident]]
         miss = np.take(self.raw, experts[~resident], axis=0)
         self.bytes_read += int(miss.nbytes)
+        self._drop(experts[~resident])
         out[~resident] = miss
         del miss
         return mx.array(out)
