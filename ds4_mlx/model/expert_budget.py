@@ -22,7 +22,7 @@ import math
 import re
 from dataclasses import dataclass
 
-import numpy as np
+import numbers
 
 from ds4_mlx.errors import LayoutError
 
@@ -53,7 +53,7 @@ def parse_experts_cache(value) -> Budget | None:
     what = f"experts_cache {value!r}"
     if isinstance(value, bool):
         raise LayoutError(f"{what}: expected bytes (int), a size string ('8GB') or an expert count ('256')")
-    if isinstance(value, (int, np.integer)):
+    if isinstance(value, numbers.Integral):
         if value <= 0:
             raise LayoutError(f"{what}: a budget must be positive")
         return Budget("bytes", int(value))
