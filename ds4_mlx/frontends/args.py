@@ -165,7 +165,7 @@ def add_model_options(p: argparse.ArgumentParser, *, distributed: bool = False) 
                         "(8GB, 512MiB; two full layers of it kept for prefill); misses are read from the "
                         "file (default: all resident)")
     p.add_argument("--experts-cache-policy", choices=["lru", "lfu"], default=None,
-                   help="replacement policy of --experts-cache (default lru)")
+                   help="replacement policy of --experts-cache: lfu (aged frequency, the default) or lru")
     p.add_argument("--checkpoint", choices=["preview", "0731"], default=None,
                    help="which DeepSeek V4 Flash checkpoint the file holds, for a file whose name and "
                         "metadata do not say (default: decided from the file; ds4's 0731 files are named *-0731.gguf)")

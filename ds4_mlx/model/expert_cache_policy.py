@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 POLICIES = ("lru", "lfu")
-DEFAULT_POLICY = "lru"
+DEFAULT_POLICY = "lfu"  # by measurement: benchmarks/NOTES.md, "Bounded device expert cache"
 # LFU's aging factor per access of the layer (one decoded token): a score's half-life is
 # log(0.5)/log(decay) ~ 69 tokens at 0.99. Measured against LRU in benchmarks/NOTES.md.
 DEFAULT_LFU_DECAY = 0.99

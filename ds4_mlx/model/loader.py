@@ -24,6 +24,7 @@ from ds4_mlx.model.compressor import Compressor
 from ds4_mlx.model.device_experts import DeviceExpertWeights, resolve_strategy
 from ds4_mlx.model.expert_budget import parse_experts_cache, plan_cache
 from ds4_mlx.model.expert_cache import CachedDeviceExpertWeights, ExpertCacheSet, check_policy
+from ds4_mlx.model.expert_cache_policy import DEFAULT_POLICY
 from ds4_mlx.model.experts import EXPERT_CACHE, ExpertWeights, routed_resident_nbytes
 from ds4_mlx.model.hyper_connection import HyperConnection, OutputHC
 from ds4_mlx.model.indexer import Indexer
@@ -284,7 +285,7 @@ def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend:
     for prefill) or an expert count ("1024": ds4's N, over all routed layers). Only with the device
     strategy: with the host strategy (explicit, or ``auto`` on the CPU) it is a ``LayoutError``, the
     host strategy never holding more than the experts a call selects. ``experts_cache_policy``:
-    "lru" (default) or "lfu" (``model.expert_cache_policy``).
+    "lfu" (default, aged frequency; chosen by measurement) or "lru" (``model.expert_cache_policy``).
     ``distributed``: None, or join the ranks ``mlx.launch`` started (waiting at most ``join_timeout``
     seconds) and build this rank's part: "pipeline", only its layers (``model.pipeline``);
     "experts", every dense weight and only its share of each layer's routed experts
@@ -311,7 +312,7 @@ def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend:
         if bounded:
             plan = expert_cache_plan(f, cfg, experts_cache)
             if plan.slots is not None:
-                caches = ExpertCacheSet(plan, experts_cache_policy or "lru")
+                caches = ExpertCacheSet(plan, experts_cache_policy or DEFAULT_POLICY)
         if distributed is not None:
             size = f"{f.file_size / (1 << 20):,.0f} MiB" if f.file_size >= 1 << 20 else f"{f.file_size:,} bytes"
             group = dist.join(join_timeout, distributed, [
