@@ -473,8 +473,12 @@ class EngineBackend(Backend):
                     visible = self._visible_ids(req, res)
                 self.pool.remember_answer(prep.slot, visible)
                 now = time.monotonic()
+                st = res.stats
                 yield Done(res.finish_reason, n_out, raw_dsml=res.raw_dsml, error=res.error,
                            prefill_seconds=t1 - t0, decode_seconds=now - t1,
-                           reasoning_tokens=0 if req.raw_output else res.stats.reasoning_tokens)
+                           reasoning_tokens=0 if req.raw_output else st.reasoning_tokens,
+                           expert_hits=st.expert_hits or 0, expert_misses=st.expert_misses or 0,
+                           expert_bytes_read=st.expert_bytes_read or 0,
+                           expert_prefill_bytes_read=st.expert_prefill_bytes_read or 0)
                 return
         yield Done("error", n_out, error="engine ended without a done event")
