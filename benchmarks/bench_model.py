@@ -27,7 +27,8 @@ Reported:
 * VmHWM (peak RSS) and VmRSS (anonymous / file-backed) and MLX's active and peak bytes after load,
   warm-up, prefill and decode.
 
-``--experts device|host|auto`` picks the routed-expert strategy (``ds4_mlx.load(experts=...)``).
+``--experts device|host|auto`` picks the routed-expert strategy (``ds4_mlx.load(experts=...)``);
+``--experts-cache N|SIZE`` (with ``--experts device``) bounds its resident experts (``model.expert_cache``).
 
 ``--json`` measures the decode step's structure instead and prints one JSON object (``measure``):
 ``strategy``, ``backend``, ``prefill_tps`` (one cold prefill of the first ``--prefill`` length),
@@ -38,7 +39,8 @@ to the host and handed from the host to MLX, plus expert slabs copied out of the
 the logits to numpy to sample on the host; that one read also evaluates the step), ``weight_bytes_per_token``
 (GGUF bytes a decoded token's matmuls read: the dense weights, its embedding row, k experts of each
 routed tensor), ``expert_bytes_resident`` (the device strategy's
-copy of the expert blocks), ``peak_rss_bytes`` (VmHWM). Its decode loop is the compiled step with the
+copy of the expert blocks, or its cache's slots), ``peak_rss_bytes`` (VmHWM); with ``--experts-cache``,
+``expert_cache_{slots,policy,hits,misses,hit_rate,bytes_read_per_token}`` over the timed decode. Its decode loop is the compiled step with the
 greedy choice on the device: ``step(evaluate=False)``, ``argmax`` of the logits made to depend on the
 new cache arrays, and the token's ``.item()`` -- the one read the host cannot avoid. So the device
 strategy measures 1 sync per token; the host strategy adds per layer its host work's reads (the
@@ -141,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--experts", choices=("auto", "device", "host"), default="auto",
                     help="routed-expert strategy (device: blocks resident, routing on the device)")
+    ap.add_argument("--experts-cache", default=None, metavar="N|SIZE",
+                    help="--experts device: the bounded expert cache's budget (ds4_mlx.load(experts_cache=...))")
+    ap.add_argument("--experts-cache-policy", choices=("lru", "lfu"), default=None)
     ap.add_argument("--json", action="store_true",
                     help="print one JSON object: t/s, host syncs and bytes per decoded token, memory")
     args = ap.parse_args(argv)
@@ -148,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="ds4-bench-model-") as tmpdir:
             path = benchmark_model_path(args.model, Path(tmpdir))
             n_prefill = (args.prefill or [512])[0]
-            print(json.dumps(measure(path, args.experts, n_prefill, args.decode or 16, args.seed)))
+            print(json.dumps(measure(path, args.experts, n_prefill, args.decode or 16, args.seed,
+                                     experts_cache=args.experts_cache, policy=args.experts_cache_policy)))
         return 0
 
     with tempfile.TemporaryDirectory(prefix="ds4-bench-model-") as tmpdir:
@@ -159,7 +165,10 @@ def main(argv: list[str] | None = None) -> int:
 def run(path: Path, args) -> int:
     mem0 = memory()
     t0 = time.perf_counter()
-    model = ds4_mlx.load(path, numerics="default", experts=args.experts).network
+    kw = {} if args.experts_cache is None else {"experts_cache": args.experts_cache}
+    if args.experts_cache_policy is not None:
+        kw["experts_cache_policy"] = args.experts_cache_policy
+    model = ds4_mlx.load(path, numerics="default", experts=args.experts, **kw).network
     cfg = model.config
     t_load = time.perf_counter() - t0
     tiny = cfg.n_embd < 1024
@@ -293,12 +302,16 @@ def engine_loop_syncs(model, cache: ModelCache, token: int, n: int) -> float:
 
 
 def measure(path, experts: str = "auto", n_prefill: int = 512, n_decode: int = 16, seed: int = 0,
-            warmup: int = 2) -> dict:
+            warmup: int = 2, experts_cache=None, policy: str | None = None) -> dict:
     """The ``--json`` measurement (module docstring): load with ``experts``, a 16-token warm-up
     prefill (first-use weight dequantization), one timed cold prefill of ``n_prefill`` random
     tokens, ``warmup`` untimed decode steps (the traces), then ``n_decode`` timed steps with host
-    traffic counted."""
-    engine = ds4_mlx.load(path, numerics="default", experts=experts)
+    traffic counted. ``experts_cache`` / ``policy``: the bounded device expert cache; its decode
+    hits, misses and bytes read from the file per token are reported (``expert_cache_*``)."""
+    kw = {} if experts_cache is None else {"experts_cache": experts_cache}
+    if policy is not None:
+        kw["experts_cache_policy"] = policy
+    engine = ds4_mlx.load(path, numerics="default", experts=experts, **kw)
     model = engine.network
     cfg = model.config
     rng = np.random.default_rng(seed)
@@ -316,9 +329,18 @@ def measure(path, experts: str = "auto", n_prefill: int = 512, n_decode: int = 1
     traces0 = dec.traces
     experts_list = experts_of(model)
     read0 = sum(e.bytes_read for e in experts_list)
+    ecache = model.expert_cache
+    c0 = ecache.counters() if ecache is not None else None
     with HostTraffic() as traffic:
         _, times = greedy_decode(model, cache, chosen[-1], n_decode)
     slab_bytes = sum(e.bytes_read for e in experts_list) - read0
+    cache_stats = {}
+    if ecache is not None:
+        d = ecache.counters() - c0
+        cache_stats = {"expert_cache_slots": ecache.n_slots, "expert_cache_policy": ecache.policy,
+                       "expert_cache_hits": d.hits, "expert_cache_misses": d.misses,
+                       "expert_cache_hit_rate": d.hit_rate,
+                       "expert_cache_bytes_read_per_token": d.bytes_read / n_decode}
     engine_syncs = engine_loop_syncs(model, cache, chosen[-1], n_decode)
     mem = memory()
     return {
@@ -339,6 +361,7 @@ def measure(path, experts: str = "auto", n_prefill: int = 512, n_decode: int = 1
         "expert_bytes_resident": sum(getattr(e, "resident_nbytes", 0) for e in experts_list),
         "traces_during_timed": dec.traces - traces0,
         "peak_rss_bytes": mem.get("VmHWM"),
+        **cache_stats,
     }
 
 

@@ -10,7 +10,8 @@ What is packed, and why that is enough (the assertions that read each item are i
   * per-layer states [T, 4, n_embd]: per token row the sha256 of the exact float32 bytes, and the values as
     integer codes of a per-(token, stream) step of 2^-12 x the row's rms (error <= 2^-13 of the row's rms)
     plus the exact rms of each array and of its reconstruction error (again subtracted from the bands);
-  * the golden JSON documents, prompts and test vectors verbatim (xz), the bench-data texts (xz), and the
+  * the golden JSON documents, prompts and test vectors verbatim (xz; the vectors into the package's
+    ``ds4_mlx/vectors_data/preview``, which ``ds4-mlx vectors`` reads), the bench-data texts (xz), and the
     three prompt constants the chat-template test checks, cut from spec/ARCHITECTURE.md;
   * the sha256 of the oracle generator's output for the dims the tests build, so our generator's
     ``oracle_bytes`` mode is checked against it.
@@ -19,7 +20,8 @@ What is packed, and why that is enough (the assertions that read each item are i
     python scripts/pack_oracle_golden.py --shared ../shared --verify
 
 ``--verify`` is the cross-check a developer runs after packing (the test suite never reads ``shared/``):
-it packs again into a temporary folder and requires the same contents as tests/data (every array equal,
+it packs again into a temporary folder and requires the same contents as tests/data and
+ds4_mlx/vectors_data/preview (every array equal,
 every other file byte for byte), and checks through tests/oracle_golden.py's readers what the tests rely
 on: each row's digest is the float32 original's, and each stored error bounds the copy's real error.
 """
@@ -45,6 +47,7 @@ sys.path.insert(0, str(REPO / "tests"))
 import oracle_golden  # noqa: E402  (the readers the tests use, and what they share with the packer)
 from oracle_golden import GENERATOR_CASES, row_sha256  # noqa: E402
 
+VECTORS = REPO / "ds4_mlx" / "vectors_data" / "preview"  # the preview checkpoint's official API vectors
 CASES = ("raw_short", "chat_nothink", "dev_long")
 STEP_BITS = 12  # code step = rms(row) * 2^-STEP_BITS
 
@@ -133,7 +136,10 @@ def generator_digests(generator: Path) -> dict[str, str]:
     return out
 
 
-def pack(src: Path, out: Path) -> None:
+def pack(src: Path, out: Path, vectors: Path = VECTORS) -> None:
+    """Pack ``src`` into ``out`` (the tests' folder) and its official API vectors into ``vectors`` (the
+    package's ``vectors_data/preview``: ``ds4-mlx vectors`` ships them to users, so they live in the package,
+    not under tests/)."""
     golden = src / "oracle" / "golden"
     odir = out / "oracle"
     (odir / "golden" / "prompts").mkdir(parents=True, exist_ok=True)
@@ -150,7 +156,7 @@ def pack(src: Path, out: Path) -> None:
     tv = src / "test-vectors"
     for p in sorted(tv.rglob("*")):
         if p.is_file():
-            dst = out / "test-vectors" / p.relative_to(tv)
+            dst = vectors / p.relative_to(tv)
             dst.parent.mkdir(parents=True, exist_ok=True)
             if p.suffix == ".json" and p.stat().st_size > 4096:
                 dst.with_name(dst.name + ".xz").write_bytes(xz(p.read_bytes()))
@@ -164,9 +170,14 @@ def pack(src: Path, out: Path) -> None:
                                              encoding="utf-8")
 
 
+# Not the packer's: README.md documents the folder; agent_requests/ holds request bodies recorded from the
+# real agent clients (scripts/agent_clients.py), not anything in shared/.
+NOT_PACKED = (Path("README.md"), Path("agent_requests"))
+
+
 def _packed_files(d: Path) -> set[Path]:
-    # README.md documents the folder; the packer does not write it
-    return {p.relative_to(d) for p in d.rglob("*") if p.is_file() and p.relative_to(d) != Path("README.md")}
+    return {p.relative_to(d) for p in d.rglob("*")
+            if p.is_file() and not any(p.relative_to(d) == n or n in p.relative_to(d).parents for n in NOT_PACKED)}
 
 
 def _same_npz_xz(a: Path, b: Path) -> bool:
@@ -183,15 +194,17 @@ def verify(src: Path) -> list[str]:
     problems = []
     with tempfile.TemporaryDirectory() as tmp:
         fresh = Path(tmp)
-        pack(src, fresh)
-        ours, theirs = _packed_files(data), _packed_files(fresh)
-        problems += [f"{p}: in tests/data, not packed from {src}" for p in sorted(ours - theirs)]
-        problems += [f"{p}: packed from {src}, missing from tests/data" for p in sorted(theirs - ours)]
-        for rel in sorted(ours & theirs):
-            same = (_same_npz_xz(data / rel, fresh / rel) if rel.name.endswith(".npz.xz")
-                    else (data / rel).read_bytes() == (fresh / rel).read_bytes())
-            if not same:
-                problems.append(f"{rel}: differs from a fresh packing")
+        pack(src, fresh / "data", fresh / "vectors")
+        for name, here, there in (("tests/data", data, fresh / "data"),
+                                  ("ds4_mlx/vectors_data/preview", VECTORS, fresh / "vectors")):
+            ours, theirs = _packed_files(here), _packed_files(there)
+            problems += [f"{name}/{p}: not packed from {src}" for p in sorted(ours - theirs)]
+            problems += [f"{name}/{p}: packed from {src}, missing" for p in sorted(theirs - ours)]
+            for rel in sorted(ours & theirs):
+                same = (_same_npz_xz(here / rel, there / rel) if rel.name.endswith(".npz.xz")
+                        else (here / rel).read_bytes() == (there / rel).read_bytes())
+                if not same:
+                    problems.append(f"{name}/{rel}: differs from a fresh packing")
 
     # what the tests assume of the reduced copies, read the way they read them
     golden = src / "oracle" / "golden"
@@ -235,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         problems = verify(args.shared)
         for line in problems:
             print(line, file=sys.stderr)
-        print(f"tests/data {'differs from' if problems else 'agrees with'} {args.shared}")
+        print(f"tests/data and {VECTORS.relative_to(REPO)} {'differ from' if problems else 'agree with'} {args.shared}")
         return 1 if problems else 0
     pack(args.shared, args.out)
     total = sum(p.stat().st_size for p in args.out.rglob("*") if p.is_file())

@@ -10,6 +10,7 @@ read its weights instead of refusing would copy tens of GiB (the tests spy on th
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -143,17 +144,46 @@ def test_default_experts_cache_bytes(flash, monkeypatch):
     assert mp.MIN_CACHE_LAYERS * device.layer_experts <= n < device.experts_gguf
     with_cache = p._with(experts_cache_bytes=n)
     assert with_cache.fits and with_cache.device_cache_bytes == n and with_cache.experts_bytes == 0
-    assert with_cache.cache_bytes == n + device.expert_lru
-    assert [r.nbytes for r in with_cache.rows() if r.label == "expert cache"] == [n, device.expert_lru]
+    assert with_cache.cache_bytes == n and with_cache.lru_bytes == 0  # the bounded cache keeps no dequantized expert
+    assert [r.nbytes for r in with_cache.rows() if r.label == "expert cache"] == [n]
     assert not p._with(experts_cache_bytes=n + 1).fits  # the largest that fits
     assert mp.default_experts_cache_bytes(mp.plan(cfg, loader.weight_bytes(f, cfg, backend="metal"), ctx=32768,
                                                   machine=machine(48))) is None  # host: no device cache
-    with pytest.raises(MemoryPlanError, match="even with a device expert cache of 2 layers"):
+    floor = 2 * device.layer_experts + 6 * device.experts_gguf // 256
+    assert n >= floor
+    with pytest.raises(MemoryPlanError, match=r"even with the smallest device expert cache \(2 layers of prefill reserve and 6 slots per layer"):
         mp.default_experts_cache_bytes(mp.plan(cfg, device, ctx=32768, machine=machine(12)))
-    # the advice offers the cache once its option exists (the merge hook)
+    # the advice offers the cache, its budget written to 0.1 GB rounded down, which the cache's own
+    # parser reads back as a budget that still fits
+    from ds4_mlx.model.expert_budget import parse_experts_cache
+
+    advised = re.search(r"--experts-cache (\d+\.\d)GB", p.advice())
+    assert advised, p.advice()
+    budget = parse_experts_cache(advised.group(1) + "GB").amount
+    assert n - GiB // 10 < budget <= n and p._with(experts_cache_bytes=budget).fits
+    monkeypatch.setattr(mp, "EXPERTS_CACHE_OPTION", None)
     assert "--experts-cache" not in p.advice()
-    monkeypatch.setattr(mp, "EXPERTS_CACHE_OPTION", "--experts-cache")
-    assert f"--experts-cache {n / GiB:.1f}GB" in p.advice()
+
+
+def test_a_bounded_cache_load_is_planned_with_its_bytes(tiny_model_path):
+    """``experts_cache=`` (``model.expert_cache``): the plan counts its slots and prefill reserve,
+    not every expert, and no dequantized LRU."""
+    import ds4_mlx
+    from ds4_mlx.formats.layout import load_model_file
+
+    f, cfg, _ = load_model_file(tiny_model_path)
+    try:
+        cache_plan = loader.expert_cache_plan(f, cfg, "32")
+    finally:
+        f.close()
+    assert cache_plan.slots is not None
+    engine = ds4_mlx.load(tiny_model_path, experts="device", experts_cache="32", ctx=64)
+    plan = engine.memory_plan
+    assert plan.experts_cache_bytes == cache_plan.cache_nbytes + cache_plan.prefill_reserve_nbytes
+    assert plan.experts_bytes == 0 and plan.lru_bytes == 0 and plan.device_cache_bytes == plan.experts_cache_bytes
+    assert plan.device_cache_bytes < plan.weights.experts_resident
+    with pytest.raises(MemoryPlanError, match=r"\(device experts, default numerics\).*expert cache"):
+        ds4_mlx.load(tiny_model_path, experts="device", experts_cache="32", simulate_memory=0.05)
 
 
 def test_largest_fitting_is_the_boundary():
@@ -388,3 +418,17 @@ def test_chat_ctx_is_planned_too(monkeypatch, capsys, tmp_path, tiny_model_path)
     assert len(refusal) == 1 and "does not fit in memory" in refusal[0] and "> 1.5 GiB" in refusal[0]
     smaller = int(refusal[0].split("; /ctx ")[1].split()[0])
     assert 4096 <= smaller < 1000000 and "ctx 4096: new session" in err
+
+
+def test_serve_hands_the_plan_and_cache_options_to_the_load(tiny_model_path):
+    """serve builds its model on a worker thread from its own keywords, not ``model_options``:
+    --ctx, --simulate-memory and --experts-cache must all reach ``ds4_mlx.load``."""
+    from ds4_mlx.frontends.cli import build_parser
+    from ds4_mlx.frontends.cmd_serve import server_parts
+
+    args = build_parser().parse_args(["serve", "-m", str(tiny_model_path), "--ctx", "4096", "--simulate-memory",
+                                      "0.05", "--experts", "device", "--experts-cache", "32"])
+    backend, _ = server_parts(args)
+    assert (backend.ctx, backend.simulate_memory, backend.experts_cache) == (4096, 0.05, "32")
+    with pytest.raises(MemoryPlanError, match=r"KV at ctx 4096 .*--simulate-memory 0\.05"):
+        backend._load()

@@ -118,7 +118,9 @@ def test_a_huge_body_is_decoded_off_the_event_loop_and_tools_are_capped():
                 time.sleep(0.05)
             t.join()
             assert result["answer"][0] == want
-            assert worst < 2.0, worst
+            # The bug froze /health for 17-31 s; the GIL-held json.loads costs ~0.5 s alone but 2 s once
+            # under two other CPU-bound jobs on 2 cores, so the bound is 5 s: still far below the bug.
+            assert worst < 5.0, worst
 
 
 def _half_closed_exchange(port: int, request: bytes, timeout: float = 10) -> bytes:

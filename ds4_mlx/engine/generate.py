@@ -94,6 +94,27 @@ class GenerationStats:
     think: str = "none"             # the thinking mode in effect
     notices: list[str] = field(default_factory=list)  # one-line notices (Think Max fallback, ...)
     cache: list[str] = field(default_factory=list)    # disk KV cache reports, one line each
+    # The bounded device expert cache (``model.expert_cache``; None without one): per accessed
+    # expert of a layer call, hits and misses, and bytes read from the file, in the decode phase
+    # (``expert_*``) and the prefill (``expert_prefill_*``)
+    expert_hits: int | None = None
+    expert_misses: int | None = None
+    expert_bytes_read: int | None = None
+    expert_prefill_misses: int | None = None
+    expert_prefill_bytes_read: int | None = None
+
+    @property
+    def expert_hit_rate(self) -> float | None:
+        """Decode hits / accesses of the bounded expert cache; None without one (or no access)."""
+        n = (self.expert_hits or 0) + (self.expert_misses or 0)
+        return self.expert_hits / n if n else None
+
+    @property
+    def expert_bytes_per_token(self) -> float | None:
+        """Bytes of routed experts read from the file per generated token (decode)."""
+        if self.expert_bytes_read is None or not self.generation_tokens:
+            return None
+        return self.expert_bytes_read / self.generation_tokens
 
     @property
     def completion_tokens(self) -> int:
@@ -124,7 +145,16 @@ class GenerationStats:
         return (f"prompt: {self.prompt_tokens} tokens ({self.cached_tokens} cached), prefill: {prefill}, "
                 f"generation: {self.decode_tps:.2f} t/s ({self.generation_tokens} tokens), "
                 f"load: {self.load_time_s:.2f} s, ttft: {ttft}, "
-                f"peak memory: {self.peak_rss_bytes / 2**20:.0f} MiB RSS, {self.peak_mlx_bytes / 2**20:.0f} MiB MLX")
+                f"peak memory: {self.peak_rss_bytes / 2**20:.0f} MiB RSS, {self.peak_mlx_bytes / 2**20:.0f} MiB MLX"
+                + self._expert_summary())
+
+    def _expert_summary(self) -> str:
+        if self.expert_hits is None:
+            return ""
+        rate, per = self.expert_hit_rate, self.expert_bytes_per_token
+        return (f", experts cache: decode {'-' if rate is None else f'{100 * rate:.1f} %'} hits, "
+                f"{'-' if per is None else f'{per / 2**20:.2f} MiB'} read/token, "
+                f"prefill {(self.expert_prefill_bytes_read or 0) / 2**20:.0f} MiB read")
 
 
 @dataclass(frozen=True)
@@ -288,6 +318,15 @@ def peak_rss_bytes() -> int:
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
+def expert_counters(engine) -> tuple[int, int, int] | None:
+    """(hits, misses, bytes read) of the model's bounded expert cache so far; None without one."""
+    cache = getattr(engine.network, "expert_cache", None)
+    if cache is None:
+        return None
+    c = cache.counters()
+    return c.hits, c.misses, c.bytes_read
+
+
 def save_line(res) -> str:
     """The one line a disk-cache save (``SaveResult``) is reported with."""
     if res.stored:
@@ -397,6 +436,7 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
 
     previous_hook = session.on_prefill
     session.on_prefill = on_prefill
+    experts0 = expert_counters(model)
     t_prefill = time.perf_counter()
     try:
         if kv_cache is not None:
@@ -415,6 +455,10 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
     finally:
         session.on_prefill = previous_hook
     stats.prefill_s = time.perf_counter() - t_prefill
+    experts1 = expert_counters(model)
+    if experts1 is not None:
+        stats.expert_prefill_misses = experts1[1] - experts0[1]
+        stats.expert_prefill_bytes_read = experts1[2] - experts0[2]
     for line, rep in cache_events:
         stats.cache.append(line)
         yield GenerationEvent("cache", line, report=rep)
@@ -501,6 +545,10 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
         finish = "cancelled"
     stats.decode_s = time.perf_counter() - t_decode
     stats.generation_tokens = len(generated)
+    experts2 = expert_counters(model)
+    if experts2 is not None:
+        stats.expert_hits, stats.expert_misses, stats.expert_bytes_read = (
+            b - a for a, b in zip(experts1, experts2))
 
     # -- end --
     tail, hit = stopper.feed(decoder.flush())

@@ -716,6 +716,25 @@ class GGUFFile:
             h.update(mm[start:start + sample_bytes])
         return h.hexdigest()[:16]
 
+    def drop_pages(self, view: np.ndarray) -> None:
+        """Tell the kernel the mapped pages wholly under ``view`` (a view of this file's tensor data,
+        one contiguous range) are not needed by this process (``MADV_DONTNEED``): they leave its
+        resident set, the page cache keeps them (a later read is a minor fault). A bounded expert
+        cache calls it after copying slabs out, so the mapping's pages do not pile up in its RSS.
+        No-op where madvise is unavailable or the view is not of this mapping."""
+        mm = self._mm
+        if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED") or view.size == 0:
+            return
+        base = np.frombuffer(mm, dtype=np.uint8, count=1).__array_interface__["data"][0]
+        start = view.__array_interface__["data"][0] - base
+        end = start + view.nbytes
+        if start < 0 or end > self.file_size:
+            return
+        page = mmap.PAGESIZE
+        lo, hi = -(-start // page) * page, end // page * page
+        if hi > lo:
+            mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
     @property
     def closed(self) -> bool:
         return self._mm is None

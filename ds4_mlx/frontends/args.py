@@ -163,6 +163,13 @@ def add_model_options(p: argparse.ArgumentParser, *, distributed: bool = False) 
                    help="routed experts: device (blocks resident in GPU memory, routing on the device), "
                         "host (routing on the CPU, slabs read from the mmap); auto = device on a GPU, "
                         "host on the CPU (default)")
+    p.add_argument("--experts-cache", action=_ExpertsCache, default=None, metavar="N|SIZE",
+                   help="--experts device: keep at most this many routed experts resident, as ds4's "
+                        "--ssd-streaming-cache-experts: N expert triplets over all layers, or a size "
+                        "(8GB, 512MiB; two full layers of it kept for prefill); misses are read from the "
+                        "file (default: all resident)")
+    p.add_argument("--experts-cache-policy", choices=["lru", "lfu"], default=None,
+                   help="replacement policy of --experts-cache: lfu (aged frequency, the default) or lru")
     p.add_argument("--checkpoint", choices=["preview", "0731"], default=None,
                    help="which DeepSeek V4 Flash checkpoint the file holds, for a file whose name and "
                         "metadata do not say (default: decided from the file; ds4's 0731 files are named *-0731.gguf)")
@@ -179,14 +186,32 @@ def add_model_options(p: argparse.ArgumentParser, *, distributed: bool = False) 
         p.set_defaults(distributed=None)
 
 
+class _ExpertsCache(argparse.Action):
+    """``--experts-cache``: checked while parsing (``model.expert_budget``, no MLX import)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from ds4_mlx.model.expert_budget import parse_experts_cache
+
+        try:
+            parse_experts_cache(values)
+        except Ds4Error as exc:
+            raise argparse.ArgumentError(None, f"{option_string}: {exc}") from None
+        setattr(namespace, self.dest, values)
+
+
 def model_options(args: argparse.Namespace, ctx: int | None = None) -> dict:
-    """The ``ds4_mlx.load`` / ``Engine.open`` keywords of the options ``add_model_options`` added,
-    with the context the command's sessions will use for the memory plan: ``ctx``, else the
-    command's ``--ctx`` (None: the default session context)."""
-    return {"numerics": args.numerics, "experts": args.experts, "distributed": args.distributed,
+    """The ``ds4_mlx.load`` / ``Engine.open`` keywords of the options ``add_model_options`` added
+    (the expert cache's only when given, so a loader without them is not handed None), with the
+    context the command's sessions will use for the memory plan: ``ctx``, else the command's
+    ``--ctx`` (None: the default session context)."""
+    opts = {"numerics": args.numerics, "experts": args.experts, "distributed": args.distributed,
             "checkpoint": getattr(args, "checkpoint", None),
             "ctx": ctx if ctx is not None else getattr(args, "ctx", None),
             "simulate_memory": getattr(args, "simulate_memory", None)}
+    for name in ("experts_cache", "experts_cache_policy"):
+        if getattr(args, name, None) is not None:
+            opts[name] = getattr(args, name)
+    return opts
 
 
 def add_system_option(p: argparse.ArgumentParser) -> None:

@@ -217,7 +217,8 @@ def server_parts(args: argparse.Namespace, *, logits_hook=None):
     with GGUFFile(args.model) as header:
         checkpoint = detect_checkpoint(header.metadata, args.model, args.checkpoint)
     backend = EngineBackend(args.model, ctx=args.ctx, numerics=args.numerics, experts=args.experts,
-                            simulate_memory=args.simulate_memory,
+                            simulate_memory=args.simulate_memory, experts_cache=args.experts_cache,
+                            experts_cache_policy=args.experts_cache_policy,
                             checkpoint=checkpoint.checkpoint.value,
                             distributed=args.distributed,
                             kv_disk_dir=args.kv_disk_dir,

@@ -22,6 +22,9 @@ from ds4_mlx.model.attention import Attention
 from ds4_mlx.model.compiled_decode import probe_compiler
 from ds4_mlx.model.compressor import Compressor
 from ds4_mlx.model.device_experts import DeviceExpertWeights, gpu_backend, resolve_strategy
+from ds4_mlx.model.expert_budget import parse_experts_cache, plan_cache
+from ds4_mlx.model.expert_cache import CachedDeviceExpertWeights, ExpertCacheSet, check_policy
+from ds4_mlx.model.expert_cache_policy import DEFAULT_POLICY
 from ds4_mlx.model.experts import EXPERT_CACHE, ExpertWeights, routed_resident_nbytes
 from ds4_mlx.model.hyper_connection import HyperConnection, OutputHC
 from ds4_mlx.model.indexer import Indexer
@@ -71,8 +74,9 @@ class _Weights:
     """Name-checked access to the GGUF tensors; ``kinds`` records how each was taken."""
 
     def __init__(self, f: GGUFFile, backend: str | None = None, experts: str = "host",
-                 owned: range | None = None):
+                 owned: range | None = None, caches: ExpertCacheSet | None = None):
         self.f = f
+        self.caches = caches  # a bounded device expert cache (``expert_cache``): slots per layer
         self.backend = backend
         self.kw = {} if backend is None else {"backend": backend}
         self.strategy = experts
@@ -138,6 +142,9 @@ class _Weights:
         self.kinds[name] = "experts"
         if self.owned is not None:
             return expert_parallel.OwnedExperts.from_gguf(self.expert_cls, self.f, name, self.owned, self.backend)
+        if self.caches is not None:
+            layer = self.caches.layer(int(name.split(".")[1]))
+            return CachedDeviceExpertWeights.from_gguf(self.f, name, layer, **self.kw)
         return self.expert_cls.from_gguf(self.f, name, **self.kw)
 
 
@@ -320,9 +327,22 @@ def resident_split(f: GGUFFile, cfg: ModelConfig, n_ranks: int, numerics: str | 
     return pipeline.tensor_split(f, cfg.n_layer, n_ranks, nbytes, cfg.n_vocab)
 
 
+def expert_cache_plan(f: GGUFFile, cfg: ModelConfig, experts_cache):
+    """The bounded device expert cache's ``CachePlan`` for ``experts_cache`` (``expert_cache``) over
+    this file's routed layers (their gate + up + down bytes per expert)."""
+    budget = parse_experts_cache(experts_cache)
+    trip = []
+    for il in range(cfg.n_layer):
+        names = [f"blk.{il}.ffn_{part}_exps.weight" for part in ("gate", "up", "down")]
+        if all(n in f.tensors for n in names):
+            trip.append(sum(int(f.tensor(n).nbytes) for n in names) // cfg.n_expert)
+    return plan_cache(budget, triplet_nbytes=trip, n_expert=cfg.n_expert, n_used=cfg.n_expert_used)
+
+
 def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend: str | None = None,
          experts: str = "auto", distributed: str | None = None, join_timeout: float | None = None,
-         ctx: int | None = None, simulate_memory: float | None = None) -> Model:
+         experts_cache=None, experts_cache_policy: str | None = None, ctx: int | None = None,
+         simulate_memory: float | None = None) -> Model:
     """Open a DS4 Flash GGUF (mmap) and build the model; raises a Ds4Error subclass on bad input.
 
     ``numerics``: "default" (fast path) or "ds4-cpu" (ds4.c's CPU reference arithmetic).
@@ -334,6 +354,12 @@ def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend:
     "auto" (default): device on a GPU backend (Metal, CUDA), host on MLX's CPU backend, where the
     device strategy doubles the expert memory and re-dequantizes the selected experts every step.
     Both strategies give ds4-cpu's exact bits; in default numerics they agree to rounding.
+    ``experts_cache``: bound the device strategy's resident experts (``model.expert_cache``): None
+    (default) = all of them; bytes (an int, "8GB", "512MiB"; ds4's NGB, two full layers of it kept
+    for prefill) or an expert count ("1024": ds4's N, over all routed layers). Only with the device
+    strategy: with the host strategy (explicit, or ``auto`` on the CPU) it is a ``LayoutError``, the
+    host strategy never holding more than the experts a call selects. ``experts_cache_policy``:
+    "lfu" (default, aged frequency; chosen by measurement) or "lru" (``model.expert_cache_policy``).
     ``distributed``: None, or join the ranks ``mlx.launch`` started (waiting at most ``join_timeout``
     seconds) and build this rank's part: "pipeline", only its layers (``model.pipeline``);
     "experts", every dense weight and only its share of each layer's routed experts
@@ -348,15 +374,33 @@ def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend:
     strategy = resolve_strategy(experts)  # bad values fail before the file is opened
     if distributed is not None and distributed not in dist.MODES:
         raise LayoutError(f"unknown distributed mode {distributed!r}; expected one of {list(dist.MODES)}")
+    bounded = parse_experts_cache(experts_cache) is not None  # bad values fail before the file is opened
+    if experts_cache_policy is not None:
+        if not bounded:
+            raise LayoutError(f"experts_cache_policy={experts_cache_policy!r} needs an experts_cache budget")
+        check_policy(experts_cache_policy)
+    if bounded and strategy != "device":
+        raise LayoutError(f"experts_cache bounds the device strategy's resident experts, and the expert "
+                          f"strategy is {strategy} (experts={experts!r}; auto is host on MLX's CPU backend), "
+                          f"which holds only the experts a call selects: pass experts='device'")
+    if bounded and distributed is not None:
+        raise LayoutError(f"experts_cache is not supported with distributed={distributed!r}")
     if simulate_memory is not None:
         memory_plan.simulated_machine(simulate_memory)  # a bad value fails before the file is opened
     f, cfg = _open(path)
     try:
+        caches = cache_bytes = None
+        if bounded:
+            cache_plan = expert_cache_plan(f, cfg, experts_cache)
+            if cache_plan.slots is not None:
+                caches = ExpertCacheSet(cache_plan, experts_cache_policy or DEFAULT_POLICY)  # slots built lazily
+                # the slot arrays and the prefill working set ds4's budget keeps for it (two full layers)
+                cache_bytes = cache_plan.cache_nbytes + cache_plan.prefill_reserve_nbytes
         plan = None
         if distributed is None:
             # Before ``_build`` reads any weight: the plan reads the tensor directory only.
-            # TODO(#24 merge): pass the bounded device expert cache's bytes (experts_cache_bytes=).
-            plan = plan_memory(f, cfg, mode, backend, strategy, ctx=ctx, simulate_memory=simulate_memory)
+            plan = plan_memory(f, cfg, mode, backend, strategy, ctx=ctx, simulate_memory=simulate_memory,
+                               experts_cache_bytes=cache_bytes)
             plan.check()
         if distributed is not None:
             size = f"{f.file_size / (1 << 20):,.0f} MiB" if f.file_size >= 1 << 20 else f"{f.file_size:,} bytes"
@@ -371,7 +415,7 @@ def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend:
                 split = pipeline.PipelineSplit.from_ints(dist.rank0s(group, split.to_ints()), cfg.n_vocab)
                 model = _build(f, cfg, mode, backend, strategy, group=group, split=split)
         else:
-            model = _build(f, cfg, mode, backend, strategy)
+            model = _build(f, cfg, mode, backend, strategy, caches=caches)
         model.memory_plan = plan
         f.check_intact()  # truncated while loading: a clean error naming it, before any use
         probe_compiler()  # MLX's compiler check ignores Ctrl-C while it runs: at load, not mid-answer
@@ -382,12 +426,13 @@ def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend:
 
 
 def _build(f: GGUFFile, cfg: ModelConfig, mode: Numerics, backend: str | None, strategy: str = "host",
-           group=None, split: pipeline.PipelineSplit | None = None, experts: range | None = None) -> Model:
+           group=None, split: pipeline.PipelineSplit | None = None, experts: range | None = None,
+           caches: ExpertCacheSet | None = None) -> Model:
     """The whole model, or with ``group``: one pipeline rank's part of ``split`` (its layers only;
     the output mix and norm on the last rank, the head's rows split between rank 0 and the last
     rank), so the rank never builds, copies or reads the other layers or rows; or one
     expert-parallel rank's (all layers, only the routed ``experts`` it owns; the head on rank 0 only)."""
-    w = _Weights(f, backend, strategy, owned=experts)
+    w = _Weights(f, backend, strategy, owned=experts, caches=caches)
     emb_name = EMBEDDING
     if not w.has(emb_name):
         raise LayoutError(f"{f.path}: tensor {emb_name!r} is missing")
@@ -421,7 +466,9 @@ def _build(f: GGUFFile, cfg: ModelConfig, mode: Numerics, backend: str | None, s
                  output=output, source=f,
                  host_head=output is not None and host_head(mode, strategy, backend, output.qtype))
     if group is None:
-        return Model(cfg, ops, **parts)
+        model = Model(cfg, ops, **parts)
+        model.expert_cache = caches
+        return model
     if experts is not None:
         return expert_parallel.ExpertParallelModel(cfg, ops, group=group, experts=experts, **parts)
     return pipeline.PipelineModel(cfg, ops, group=group, layers=own, head_rows=rows, **parts)

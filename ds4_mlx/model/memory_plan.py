@@ -38,8 +38,8 @@ limit. ``read_machine`` is the one function here that reads the system; everythi
 arithmetic on its result, so the macOS branches are tested on this Linux box by injecting readings.
 
 A plan that does not fit raises ``MemoryPlanError`` with one line naming the numbers and what would
-fit: ``--experts host``, a bounded expert cache (when its option exists: ``EXPERTS_CACHE_OPTION``), a
-smaller ``--ctx``, or raising the GPU wired limit.
+fit: ``--experts host``, a bounded device expert cache (``--experts-cache``, ``model.expert_cache``:
+``default_experts_cache_bytes``), a smaller ``--ctx``, or raising the GPU wired limit.
 """
 
 from __future__ import annotations
@@ -66,10 +66,9 @@ MAX_SIMULATED_GIB = 1 << 20  # 1 PiB: anything larger is a typo, not a machine
 # A bounded device expert cache holds at least two layers' routed experts (ds4 keeps two layers
 # for a prefill: one computing while the next one's experts arrive).
 MIN_CACHE_LAYERS = 2
-# The bounded device expert cache's command-line option (issue #24's other half), named in the
-# refusal's advice once it exists. TODO(#24 merge): set to "--experts-cache" when that option lands;
-# the advice then offers ``default_experts_cache_bytes`` of it.
-EXPERTS_CACHE_OPTION: str | None = None
+# The bounded device expert cache's command-line option (``model.expert_cache``), which the refusal's
+# advice offers with ``default_experts_cache_bytes`` of it (None: no such option, no such advice).
+EXPERTS_CACHE_OPTION: str | None = "--experts-cache"
 
 
 def size_text(n: int) -> str:
@@ -338,9 +337,15 @@ class MemoryPlan:
         return min(int(self.experts_cache_bytes), self.weights.experts_gguf)
 
     @property
+    def lru_bytes(self) -> int:
+        """The dequantized-expert LRU's: none beside a bounded device cache (``expert_cache``: its
+        grouped paths keep no dequantized expert)."""
+        return 0 if self.experts_cache_bytes is not None else self.weights.expert_lru
+
+    @property
     def cache_bytes(self) -> int:
         """Every expert cache: the bounded device cache and the dequantized-expert LRU."""
-        return self.device_cache_bytes + self.weights.expert_lru
+        return self.device_cache_bytes + self.lru_bytes
 
     @property
     def kv(self) -> dict[int, tuple[int, int]]:
@@ -388,11 +393,13 @@ class MemoryPlan:
             how = "host strategy: read from the mapping"
         out.append(Row("routed experts", f"{size_text(w.experts_gguf)} in the file; {how}", self.experts_bytes))
         if self.experts_cache_bytes is not None:
-            out.append(Row("expert cache", f"bounded device cache of {size_text(int(self.experts_cache_bytes))} "
-                                           f"(raw blocks)", self.device_cache_bytes))
-        what = ("dequantized-expert LRU (DS4_MLX_EXPERT_CACHE_MB)" if w.expert_lru
-                else "no dequantized-expert LRU (this arithmetic reads the blocks)")
-        out.append(Row("expert cache", what, w.expert_lru))
+            out.append(Row("expert cache", f"bounded device cache: slots and prefill working set, "
+                                           f"{size_text(int(self.experts_cache_bytes))} (raw blocks)",
+                           self.device_cache_bytes))
+        else:
+            what = ("dequantized-expert LRU (DS4_MLX_EXPERT_CACHE_MB)" if w.expert_lru
+                    else "no dequantized-expert LRU (this arithmetic reads the blocks)")
+            out.append(Row("expert cache", what, self.lru_bytes))
         for r, (layers, nbytes) in self.kv.items():
             out.append(Row(f"KV at ctx {self.ctx}", f"{LAYER_TYPES.get(r, f'ratio {r}')}, {layers} layers", nbytes))
         out.append(Row("scratch", f"the most of 1 GiB, a {PREFILL_CHUNK}-token prefill chunk's activations "
@@ -447,6 +454,7 @@ class MemoryPlan:
             except MemoryPlanError:
                 n = None
             if n is not None:
+                n = math.floor(n / GiB * 10) * GiB // 10  # written to 0.1 GB, rounded down: it still fits
                 ways.append(f"{EXPERTS_CACHE_OPTION} {n / GiB:.1f}GB "
                             f"({size_text(self._with(experts_cache_bytes=n).total)})")
         if (smaller := self._fitting_ctx()) is not None:
@@ -501,18 +509,22 @@ def plan(cfg: ModelConfig, weights: WeightBytes, *, ctx: int, machine: Machine, 
 
 def default_experts_cache_bytes(p: MemoryPlan) -> int | None:
     """The bounded device expert cache's default for plan ``p``'s load (issue #24): None (every
-    expert resident, no bound) when they all fit; else what fits beside the dense weights, the KV
-    at ``p.ctx`` and the scratch, at least ``MIN_CACHE_LAYERS`` layers' routed experts; a
-    ``MemoryPlanError`` when even that does not fit."""
+    expert resident, no bound) when they all fit; else the budget (``experts_cache`` bytes: slots
+    plus ds4's prefill reserve) that fits beside the dense weights, the KV at ``p.ctx`` and the
+    scratch, at least ``MIN_CACHE_LAYERS`` layers' routed experts plus the k slots per layer a
+    token needs; a ``MemoryPlanError`` when even that does not fit."""
     every = p._with(experts_cache_bytes=None)
     if every.weights.strategy != "device" or every.fits is not False:
         return None
-    base = p.weights.dense_bytes + p.weights.expert_lru + p.kv_total
+    base = p.weights.dense_bytes + p.kv_total  # a bounded cache keeps no dequantized expert
     n = _largest_fitting(p.machine.limit, p.scratch_floor) - base
-    floor = MIN_CACHE_LAYERS * p.weights.layer_experts
+    # ds4's prefill reserve of two full layers, plus the k slots per layer a token needs
+    # (``expert_budget.plan_cache`` refuses fewer)
+    floor = MIN_CACHE_LAYERS * p.weights.layer_experts + p.cfg.n_expert_used * p.weights.experts_gguf // p.cfg.n_expert
     if n < floor:
         need = p._with(experts_cache_bytes=floor)
-        raise MemoryPlanError(f"{p.name} does not fit in memory even with a device expert cache of "
-                              f"{MIN_CACHE_LAYERS} layers ({size_text(floor)}): {need.summary()} > "
+        raise MemoryPlanError(f"{p.name} does not fit in memory even with the smallest device expert cache "
+                              f"({MIN_CACHE_LAYERS} layers of prefill reserve and {p.cfg.n_expert_used} slots per "
+                              f"layer, {size_text(floor)}): {need.summary()} > "
                               f"{size_text(p.machine.limit)}, {p.machine.source}")
     return min(n, p.weights.experts_gguf)

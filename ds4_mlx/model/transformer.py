@@ -103,6 +103,9 @@ class Model:
         # (``DenseWeight.host_product``; the loader decides: ``loader.host_head``), not by MLX as float32.
         self.host_head = bool(host_head) and output is not None
         self._decoders: dict[bool, object] = {}
+        # The bounded device expert cache (``expert_cache.ExpertCacheSet``; the loader sets it), or
+        # None: every routed expert resident (device strategy) or read per call (host strategy).
+        self.expert_cache = None
 
     @property
     def numerics(self) -> Numerics:
@@ -113,7 +116,8 @@ class Model:
     def expert_strategy(self) -> str:
         """The routed-expert strategy the blocks were built with (``device_experts``): "device" when
         their MoEs route on the device, else "host"."""
-        return "device" if any(b.ffn.routes_on_device for b in self.blocks) else "host"
+        bounded = getattr(self, "expert_cache", None) is not None  # device, routing on the host
+        return "device" if bounded or any(b.ffn.routes_on_device for b in self.blocks) else "host"
 
     def embed(self, tokens: np.ndarray) -> mx.array:
         """[T] ids -> H [T, n_hc, n_embd]: the F16 row in every stream."""

@@ -294,9 +294,11 @@ class EngineBackend(Backend):
                  sessions: int = 1, sessions_mb: float = 0, max_queue: int = 64,
                  model_id: str = "deepseek-v4-flash", replay=None,
                  logits_hook: Callable | None = None, distributed: str | None = None,
-                 checkpoint: str | None = None, simulate_memory: float | None = None) -> None:
+                 checkpoint: str | None = None, simulate_memory: float | None = None,
+                 experts_cache=None, experts_cache_policy: str | None = None) -> None:
         self.model_path = model_path
         self.simulate_memory = simulate_memory
+        self.experts_cache, self.experts_cache_policy = experts_cache, experts_cache_policy
         self.checkpoint = checkpoint
         self.distributed = distributed
         self.numerics = numerics
@@ -327,7 +329,8 @@ class EngineBackend(Backend):
         # ctx: the memory plan sizes the KV at it (capped at the model's: a larger --ctx is named below)
         model = ds4_mlx.load(self.model_path, numerics=self.numerics, experts=self.experts,
                              distributed=self.distributed, checkpoint=self.checkpoint, ctx=self.ctx,
-                             simulate_memory=self.simulate_memory)
+                             simulate_memory=self.simulate_memory, experts_cache=self.experts_cache,
+                             experts_cache_policy=self.experts_cache_policy)
         if self.ctx > model.context_length:
             raise Ds4Error(f"--ctx {self.ctx} is larger than the model's context length {model.context_length}")
         disk = None
@@ -476,8 +479,12 @@ class EngineBackend(Backend):
                     visible = self._visible_ids(req, res)
                 self.pool.remember_answer(prep.slot, visible)
                 now = time.monotonic()
+                st = res.stats
                 yield Done(res.finish_reason, n_out, raw_dsml=res.raw_dsml, error=res.error,
                            prefill_seconds=t1 - t0, decode_seconds=now - t1,
-                           reasoning_tokens=0 if req.raw_output else res.stats.reasoning_tokens)
+                           reasoning_tokens=0 if req.raw_output else st.reasoning_tokens,
+                           expert_hits=st.expert_hits or 0, expert_misses=st.expert_misses or 0,
+                           expert_bytes_read=st.expert_bytes_read or 0,
+                           expert_prefill_bytes_read=st.expert_prefill_bytes_read or 0)
                 return
         yield Done("error", n_out, error="engine ended without a done event")

@@ -99,6 +99,12 @@ class Done:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     reasoning_tokens: int = 0       # of completion_tokens, those generated inside the reasoning
+    # the bounded device expert cache (``--experts-cache``), decode hits and misses and the bytes of
+    # experts read from the model file (decode, prefill); zero without one
+    expert_hits: int = 0
+    expert_misses: int = 0
+    expert_bytes_read: int = 0
+    expert_prefill_bytes_read: int = 0
 
 
 Event = Union[Prefill, Started, Reasoning, Content, ToolStart, ToolArgs, ToolEnd, Done]

@@ -22,14 +22,24 @@ class Metrics:
         self.prefill_seconds = 0.0
         self.decode_seconds = 0.0
         self.disconnects = 0
+        # the bounded device expert cache (``--experts-cache``): decode hits/misses, bytes read
+        # from the model file by phase
+        self.expert_hits = 0
+        self.expert_misses = 0
+        self.expert_bytes: Counter = Counter()  # phase -> bytes
 
     def request(self, endpoint: str, status: int) -> None:
         with self._lock:
             self.requests[(endpoint, status)] += 1
 
     def generation(self, *, finish: str, prompt: int, cached: int, completion: int, source: str,
-                   prefill_s: float, decode_s: float) -> None:
+                   prefill_s: float, decode_s: float, expert_hits: int = 0, expert_misses: int = 0,
+                   expert_bytes: tuple[int, int] = (0, 0)) -> None:
         with self._lock:
+            self.expert_hits += expert_hits
+            self.expert_misses += expert_misses
+            self.expert_bytes["prefill"] += expert_bytes[0]
+            self.expert_bytes["decode"] += expert_bytes[1]
             self.finishes[finish] += 1
             self.cache_hits[source] += 1
             self.prompt_tokens += prompt
@@ -56,6 +66,11 @@ class Metrics:
                       "# TYPE ds4_cache_hits_total counter"]
             for src, n in sorted(self.cache_hits.items()):
                 lines.append(f"ds4_cache_hits_total{_labels(source=src)} {n}")
+            lines += ["# HELP ds4_expert_cache_bytes_read_total Routed-expert bytes read from the model file "
+                      "by the bounded expert cache (--experts-cache), by phase.",
+                      "# TYPE ds4_expert_cache_bytes_read_total counter"]
+            for phase in ("decode", "prefill"):
+                lines.append(f"ds4_expert_cache_bytes_read_total{_labels(phase=phase)} {self.expert_bytes[phase]}")
             pre_tps = ((self.prompt_tokens - self.cached_tokens) / self.prefill_seconds
                        if self.prefill_seconds > 0 else 0.0)
             dec_tps = self.completion_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
@@ -68,6 +83,10 @@ class Metrics:
                  "Average prefill speed over all requests."),
                 ("ds4_decode_tokens_per_second", "gauge", round(dec_tps, 3),
                  "Average decode speed over all requests."),
+                ("ds4_expert_cache_hits_total", "counter", self.expert_hits,
+                 "Decode accesses of a routed expert found in the bounded expert cache."),
+                ("ds4_expert_cache_misses_total", "counter", self.expert_misses,
+                 "Decode accesses of a routed expert read from the model file."),
                 ("ds4_client_disconnects_total", "counter", self.disconnects,
                  "Requests cancelled because the client went away."),
                 ("ds4_queue_depth", "gauge", queue_depth, "Requests waiting for the worker."),

@@ -175,6 +175,8 @@ class Turn:
             self.replay.record([c.id for c in r.calls], ev.raw_dsml)
         self.metrics.generation(finish=finish, prompt=r.prompt_tokens, cached=r.cached_tokens,
                                 completion=r.completion_tokens, source=r.cache_source,
-                                prefill_s=ev.prefill_seconds, decode_s=ev.decode_seconds)
+                                prefill_s=ev.prefill_seconds, decode_s=ev.decode_seconds,
+                                expert_hits=ev.expert_hits, expert_misses=ev.expert_misses,
+                                expert_bytes=(ev.expert_prefill_bytes_read, ev.expert_bytes_read))
         self.done = True
         self._queue.append(replace(ev, finish=finish, error=error))
