@@ -432,3 +432,33 @@ def test_serve_hands_the_plan_and_cache_options_to_the_load(tiny_model_path):
     assert (backend.ctx, backend.simulate_memory, backend.experts_cache) == (4096, 0.05, "32")
     with pytest.raises(MemoryPlanError, match=r"KV at ctx 4096 .*--simulate-memory 0\.05"):
         backend._load()
+
+
+def test_device_experts_that_do_not_fit_get_the_bounded_cache_that_does(tiny_model_path):
+    """The issue's default: no ``experts_cache`` given and every expert does not fit beside the
+    dense weights, the KV and the scratch -> the load bounds the device strategy at
+    ``default_experts_cache_bytes`` (and plans it so) instead of refusing; same greedy tokens."""
+    import ds4_mlx
+    from ds4_mlx.formats.layout import load_model_file
+
+    f, cfg, _ = load_model_file(tiny_model_path)
+    try:
+        everything = loader.plan_memory(f, cfg, strategy="device", ctx=64, simulate_memory=1024)
+    finally:
+        f.close()
+    # a machine a quarter of the routed experts short of holding them all (a bounded cache keeps no
+    # dequantized-expert LRU, which the unbounded strategy has on the CPU)
+    limit = (everything.total - everything.lru_bytes - everything.weights.experts_resident // 4) / GiB
+    bounded = ds4_mlx.load(tiny_model_path, experts="device", ctx=64, simulate_memory=limit)
+    assert bounded.network.expert_cache is not None
+    plan = bounded.memory_plan
+    assert plan.fits and plan.experts_bytes == 0 and 0 < plan.device_cache_bytes < everything.weights.experts_resident
+    unbounded = ds4_mlx.load(tiny_model_path, experts="device", ctx=64, simulate_memory=1024)
+    assert unbounded.network.expert_cache is None
+    want = ds4_mlx.generate(unbounded, "Tell me about caches", max_tokens=6, temperature=0, raw=True)
+    got = ds4_mlx.generate(bounded, "Tell me about caches", max_tokens=6, temperature=0, raw=True)
+    assert got.tokens == want.tokens
+    # an explicit budget is the user's: never replaced by the default
+    explicit = ds4_mlx.load(tiny_model_path, experts="device", experts_cache="32", ctx=64, simulate_memory=1024)
+    assert explicit.network.expert_cache.plan.slots == loader.expert_cache_plan(
+        explicit.network.source, cfg, "32").slots

@@ -167,7 +167,8 @@ def add_model_options(p: argparse.ArgumentParser, *, distributed: bool = False) 
                    help="--experts device: keep at most this many routed experts resident, as ds4's "
                         "--ssd-streaming-cache-experts: N expert triplets over all layers, or a size "
                         "(8GB, 512MiB; two full layers of it kept for prefill); misses are read from the "
-                        "file (default: all resident)")
+                        "file (default: all resident when the memory plan says they fit, else the "
+                        "largest cache that fits)")
     p.add_argument("--experts-cache-policy", choices=["lru", "lfu"], default=None,
                    help="replacement policy of --experts-cache: lfu (aged frequency, the default) or lru")
     p.add_argument("--checkpoint", choices=["preview", "0731"], default=None,

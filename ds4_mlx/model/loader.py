@@ -339,6 +339,19 @@ def expert_cache_plan(f: GGUFFile, cfg: ModelConfig, experts_cache):
     return plan_cache(budget, triplet_nbytes=trip, n_expert=cfg.n_expert, n_used=cfg.n_expert_used)
 
 
+def _expert_caches(f: GGUFFile, cfg: ModelConfig, experts_cache, policy: str | None):
+    """The bounded device expert cache for budget ``experts_cache`` (None: unbounded) and the bytes
+    the memory plan counts for it: (None, None) unbounded, else its ``ExpertCacheSet`` and its slot
+    arrays plus the prefill working set ds4's budget keeps for it (two full layers)."""
+    if experts_cache is None:
+        return None, None
+    cache_plan = expert_cache_plan(f, cfg, experts_cache)
+    if cache_plan.slots is None:  # the budget holds every expert: unbounded
+        return None, None
+    caches = ExpertCacheSet(cache_plan, policy or DEFAULT_POLICY)  # slots built lazily
+    return caches, cache_plan.cache_nbytes + cache_plan.prefill_reserve_nbytes
+
+
 def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend: str | None = None,
          experts: str = "auto", distributed: str | None = None, join_timeout: float | None = None,
          experts_cache=None, experts_cache_policy: str | None = None, ctx: int | None = None,
@@ -355,7 +368,8 @@ def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend:
     device strategy doubles the expert memory and re-dequantizes the selected experts every step.
     Both strategies give ds4-cpu's exact bits; in default numerics they agree to rounding.
     ``experts_cache``: bound the device strategy's resident experts (``model.expert_cache``): None
-    (default) = all of them; bytes (an int, "8GB", "512MiB"; ds4's NGB, two full layers of it kept
+    (default) = all of them when the memory plan says they fit, else the bounded cache that fits
+    (``memory_plan.default_experts_cache_bytes``); bytes (an int, "8GB", "512MiB"; ds4's NGB, two full layers of it kept
     for prefill) or an expert count ("1024": ds4's N, over all routed layers). Only with the device
     strategy: with the host strategy (explicit, or ``auto`` on the CPU) it is a ``LayoutError``, the
     host strategy never holding more than the experts a call selects. ``experts_cache_policy``:
@@ -389,18 +403,20 @@ def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend:
         memory_plan.simulated_machine(simulate_memory)  # a bad value fails before the file is opened
     f, cfg = _open(path)
     try:
-        caches = cache_bytes = None
-        if bounded:
-            cache_plan = expert_cache_plan(f, cfg, experts_cache)
-            if cache_plan.slots is not None:
-                caches = ExpertCacheSet(cache_plan, experts_cache_policy or DEFAULT_POLICY)  # slots built lazily
-                # the slot arrays and the prefill working set ds4's budget keeps for it (two full layers)
-                cache_bytes = cache_plan.cache_nbytes + cache_plan.prefill_reserve_nbytes
+        caches, cache_bytes = _expert_caches(f, cfg, experts_cache if bounded else None, experts_cache_policy)
         plan = None
         if distributed is None:
             # Before ``_build`` reads any weight: the plan reads the tensor directory only.
             plan = plan_memory(f, cfg, mode, backend, strategy, ctx=ctx, simulate_memory=simulate_memory,
                                experts_cache_bytes=cache_bytes)
+            if not bounded and strategy == "device" and plan.fits is False:
+                # The issue-#24 default: every expert resident when they fit, else the bounded cache
+                # that fits beside the dense weights, the KV at ctx and the scratch (a
+                # MemoryPlanError when even the smallest one does not).
+                auto = memory_plan.default_experts_cache_bytes(plan)
+                caches, cache_bytes = _expert_caches(f, cfg, auto, experts_cache_policy)
+                plan = plan_memory(f, cfg, mode, backend, strategy, ctx=ctx, simulate_memory=simulate_memory,
+                                   experts_cache_bytes=cache_bytes)
             plan.check()
         if distributed is not None:
             size = f"{f.file_size / (1 << 20):,.0f} MiB" if f.file_size >= 1 << 20 else f"{f.file_size:,} bytes"
