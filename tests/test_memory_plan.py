@@ -275,9 +275,14 @@ def test_refused_before_any_weight_is_read(flash_path, monkeypatch):
     monkeypatch.setattr(loader, "_build", spy("_build"))
     for name in ("f32", "dense", "experts"):
         monkeypatch.setattr(loader._Weights, name, spy(f"_Weights.{name}"))
+    # an explicit cache too large for 64 GiB: refused, with what would fit
     with pytest.raises(MemoryPlanError) as e:
-        ds4_mlx.load(flash_path, experts="device", backend="cpu", simulate_memory=64)
-    assert touched == [] and "--experts host" in str(e.value)
+        ds4_mlx.load(flash_path, experts="device", backend="cpu", experts_cache="60GB", simulate_memory=64)
+    assert touched == [] and "it would fit with --experts-cache 32.4GB" in str(e.value)
+    # no cache given, and not even the smallest default cache fits beside the float32 dense weights
+    with pytest.raises(MemoryPlanError, match="even with the smallest device expert cache"):
+        ds4_mlx.load(flash_path, experts="device", backend="cpu", simulate_memory=24)
+    assert touched == []
     with pytest.raises(MemoryPlanError, match=r"\(host experts, ds4-cpu numerics\).*> 16 GiB"):
         loader.load(flash_path, numerics="ds4-cpu", experts="host", simulate_memory=16)
     assert touched == []
@@ -462,3 +467,26 @@ def test_device_experts_that_do_not_fit_get_the_bounded_cache_that_does(tiny_mod
     explicit = ds4_mlx.load(tiny_model_path, experts="device", experts_cache="32", ctx=64, simulate_memory=1024)
     assert explicit.network.expert_cache.plan.slots == loader.expert_cache_plan(
         explicit.network.source, cfg, "32").slots
+
+
+def test_inspect_plan_shows_the_cache_the_load_would_build(capsys, tiny_model_path):
+    """``inspect --plan`` goes through ``loader.plan_load``: an explicit ``--experts-cache`` is
+    planned with its bytes, and without one a machine too small for every expert gets the default
+    bounded cache's plan (what the load would build), not a refusal."""
+    import ds4_mlx
+
+    engine = ds4_mlx.load(tiny_model_path, experts="device", experts_cache="32", ctx=64)
+    assert main(["inspect", "--plan", str(tiny_model_path), "--experts", "device", "--experts-cache", "32",
+                 "--ctx", "64", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["total_bytes"] == engine.memory_plan.total
+    f_plan = loader.plan_memory(engine.network.source, engine.config, strategy="device", ctx=64, simulate_memory=1024)
+    limit = (f_plan.total - f_plan.lru_bytes - f_plan.weights.experts_resident // 4) / GiB
+    assert main(["inspect", "--plan", str(tiny_model_path), "--experts", "device", "--ctx", "64",
+                 "--simulate-memory", f"{limit:.6f}", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["fits"] is True and doc["total_bytes"] < f_plan.total
+    assert main(["inspect", "--plan", str(tiny_model_path), "--experts", "host", "--experts-cache", "32"]) == 2
+    assert "--experts-cache bounds the device strategy" in capsys.readouterr().err
+    assert main(["inspect", str(tiny_model_path), "--experts-cache", "32"]) == 2
+    assert "--experts-cache only applies with --plan" in capsys.readouterr().err

@@ -163,7 +163,7 @@ def add_model_options(p: argparse.ArgumentParser, *, distributed: bool = False) 
                    help="routed experts: device (blocks resident in GPU memory, routing on the device), "
                         "host (routing on the CPU, slabs read from the mmap); auto = device on a GPU, "
                         "host on the CPU (default)")
-    p.add_argument("--experts-cache", action=_ExpertsCache, default=None, metavar="N|SIZE",
+    p.add_argument("--experts-cache", action=ExpertsCacheAction, default=None, metavar="N|SIZE",
                    help="--experts device: keep at most this many routed experts resident, as ds4's "
                         "--ssd-streaming-cache-experts: N expert triplets over all layers, or a size "
                         "(8GB, 512MiB; two full layers of it kept for prefill); misses are read from the "
@@ -187,7 +187,7 @@ def add_model_options(p: argparse.ArgumentParser, *, distributed: bool = False) 
         p.set_defaults(distributed=None)
 
 
-class _ExpertsCache(argparse.Action):
+class ExpertsCacheAction(argparse.Action):
     """``--experts-cache``: checked while parsing (``model.expert_budget``, no MLX import)."""
 
     def __call__(self, parser, namespace, values, option_string=None):

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ds4_mlx.formats.config import DEFAULT_CTX
-from ds4_mlx.frontends.args import CTX, EXPERT_STRATEGIES, SIMULATE_MEMORY, UsageError
+from ds4_mlx.frontends.args import CTX, EXPERT_STRATEGIES, SIMULATE_MEMORY, ExpertsCacheAction, UsageError
 from ds4_mlx.frontends.terminal_text import escape_text, human_size
 
 if TYPE_CHECKING:  # the readers (numpy) load in run(): `ds4-mlx --help` builds every command's parser
@@ -53,6 +53,9 @@ def register(subparsers) -> None:
     plan.add_argument("--numerics", choices=["default", "ds4-cpu"], default="default", help="--plan: the arithmetic")
     plan.add_argument("--experts", choices=EXPERT_STRATEGIES, default="auto",
                       help="--plan: the routed-expert strategy (auto: device on a GPU, host on the CPU)")
+    plan.add_argument("--experts-cache", action=ExpertsCacheAction, default=None, metavar="N|SIZE",
+                      help="--plan, --experts device: the bounded expert cache (as the model commands' option; "
+                           "default: every expert when they fit, else the largest cache that fits)")
     plan.add_argument("--simulate-memory", action=SIMULATE_MEMORY, default=None, metavar="GB",
                       help="--plan: for a machine of GB GiB instead of this one")
     p.set_defaults(func=run)
@@ -64,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
     if args.plan:
         return run_plan(args)
     for flag, given in (("--ctx", args.ctx is not None), ("--simulate-memory", args.simulate_memory is not None),
-                        ("--numerics", args.numerics != "default"), ("--experts", args.experts != "auto")):
+                        ("--numerics", args.numerics != "default"), ("--experts", args.experts != "auto"),
+                        ("--experts-cache", args.experts_cache is not None)):
         if given:
             raise UsageError(f"{flag} only applies with --plan")
     with GGUFFile(args.path) as f:
@@ -82,12 +86,16 @@ def run(args: argparse.Namespace) -> int:
 def run_plan(args: argparse.Namespace) -> int:
     """``inspect --plan``: the memory plan as a table (or ``--json``: its ``to_dict``)."""
     from ds4_mlx.formats.layout import load_model_file
-    from ds4_mlx.model.loader import plan_memory
+    from ds4_mlx.model.device_experts import resolve_strategy
+    from ds4_mlx.model.loader import parse_numerics, plan_load
 
+    if args.experts_cache is not None and resolve_strategy(args.experts) != "device":
+        raise UsageError(f"--experts-cache bounds the device strategy's resident experts; the strategy here is "
+                         f"{resolve_strategy(args.experts)} (--experts {args.experts}): pass --experts device")
     f, cfg, _ = load_model_file(args.path)
     try:
-        plan = plan_memory(f, cfg, args.numerics, strategy=args.experts, ctx=args.ctx,
-                           simulate_memory=args.simulate_memory)
+        plan, _ = plan_load(f, cfg, parse_numerics(args.numerics), None, args.experts,
+                            experts_cache=args.experts_cache, ctx=args.ctx, simulate_memory=args.simulate_memory)
     finally:
         f.close()
     if args.json:

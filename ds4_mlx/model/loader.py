@@ -352,6 +352,25 @@ def _expert_caches(f: GGUFFile, cfg: ModelConfig, experts_cache, policy: str | N
     return caches, cache_plan.cache_nbytes + cache_plan.prefill_reserve_nbytes
 
 
+def plan_load(f: GGUFFile, cfg: ModelConfig, mode: Numerics, backend: str | None, strategy: str, *,
+              experts_cache=None, experts_cache_policy: str | None = None, ctx: int | None = None,
+              simulate_memory: float | None = None):
+    """The memory plan ``load`` goes by and the bounded expert cache it builds (or None): with
+    ``experts_cache`` the user's budget; without, for the device strategy, every expert resident
+    when they fit, else the largest bounded cache that fits beside the dense weights, the KV at
+    ctx and the scratch (``memory_plan.default_experts_cache_bytes``; a ``MemoryPlanError`` when
+    even the smallest does not). ``inspect --plan`` prints this same plan."""
+    caches, cache_bytes = _expert_caches(f, cfg, experts_cache, experts_cache_policy)
+    plan = plan_memory(f, cfg, mode, backend, strategy, ctx=ctx, simulate_memory=simulate_memory,
+                       experts_cache_bytes=cache_bytes)
+    if experts_cache is None and resolve_strategy(strategy) == "device" and plan.fits is False:
+        auto = memory_plan.default_experts_cache_bytes(plan)
+        caches, cache_bytes = _expert_caches(f, cfg, auto, experts_cache_policy)
+        plan = plan_memory(f, cfg, mode, backend, strategy, ctx=ctx, simulate_memory=simulate_memory,
+                           experts_cache_bytes=cache_bytes)
+    return plan, caches
+
+
 def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend: str | None = None,
          experts: str = "auto", distributed: str | None = None, join_timeout: float | None = None,
          experts_cache=None, experts_cache_policy: str | None = None, ctx: int | None = None,
@@ -403,20 +422,12 @@ def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend:
         memory_plan.simulated_machine(simulate_memory)  # a bad value fails before the file is opened
     f, cfg = _open(path)
     try:
-        caches, cache_bytes = _expert_caches(f, cfg, experts_cache if bounded else None, experts_cache_policy)
-        plan = None
+        caches = plan = None
         if distributed is None:
             # Before ``_build`` reads any weight: the plan reads the tensor directory only.
-            plan = plan_memory(f, cfg, mode, backend, strategy, ctx=ctx, simulate_memory=simulate_memory,
-                               experts_cache_bytes=cache_bytes)
-            if not bounded and strategy == "device" and plan.fits is False:
-                # The issue-#24 default: every expert resident when they fit, else the bounded cache
-                # that fits beside the dense weights, the KV at ctx and the scratch (a
-                # MemoryPlanError when even the smallest one does not).
-                auto = memory_plan.default_experts_cache_bytes(plan)
-                caches, cache_bytes = _expert_caches(f, cfg, auto, experts_cache_policy)
-                plan = plan_memory(f, cfg, mode, backend, strategy, ctx=ctx, simulate_memory=simulate_memory,
-                                   experts_cache_bytes=cache_bytes)
+            plan, caches = plan_load(f, cfg, mode, backend, strategy, experts_cache=experts_cache,
+                                     experts_cache_policy=experts_cache_policy, ctx=ctx,
+                                     simulate_memory=simulate_memory)
             plan.check()
         if distributed is not None:
             size = f"{f.file_size / (1 << 20):,.0f} MiB" if f.file_size >= 1 << 20 else f"{f.file_size:,} bytes"
