@@ -27,6 +27,7 @@ memory (~6.8 GB on the medium model), which a shared 24 GB machine runs once, no
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -75,18 +76,22 @@ def child(args) -> dict:
 
         SlotPolicy.access = access
     t0 = time.perf_counter()
-    eng = ds4_mlx.load(args.model, experts="device", **kw)
+    eng = ds4_mlx.load(args.model, experts="device", numerics=args.numerics, **kw)
     load_s = time.perf_counter() - t0
     model = eng.network
     text = Path(args.prompt_file).read_text(encoding="utf-8")
     ids = eng.tokenizer.encode(text)[: args.prefill]
     if len(ids) < args.prefill:
         raise SystemExit(f"{args.prompt_file} has only {len(ids)} tokens, --prefill {args.prefill}")
-    runner = model.new_session(ctx=args.prefill + args.decode + 8, chunk=args.chunk, compile=True)
+    # ds4-cpu runs its reference arithmetic uncompiled
+    runner = model.new_session(ctx=args.prefill + args.decode + 8, chunk=args.chunk,
+                               compile=args.numerics == "default")
     t0 = time.perf_counter()
     runner.prefill(ids)
     logits = runner.logits()
     prefill_s = time.perf_counter() - t0
+    # every logits row read, as the sha256 of its float32 bytes: equal bits or not, bounded vs unbounded
+    digests = [hashlib.sha256(np.asarray(logits, dtype=np.float32).tobytes()).hexdigest()]
     cache = model.expert_cache
     c_pre = cache.counters() if cache is not None else None
     phase[0] = "decode"
@@ -97,6 +102,7 @@ def child(args) -> dict:
         runner.eval(toks[-1])
         logits = runner.logits()
         times.append(time.perf_counter() - t0)
+        digests.append(hashlib.sha256(np.asarray(logits, dtype=np.float32).tobytes()).hexdigest())
     mx.eval(*runner.state.arrays())
     kv = sum(a.nbytes for a in runner.state.arrays())
     experts = [e for b in model.blocks for e in (b.ffn.gate_exps, b.ffn.up_exps, b.ffn.down_exps)]
@@ -105,6 +111,7 @@ def child(args) -> dict:
     out = {
         "cache": args.cache, "load_s": load_s, "prefill_tokens": len(ids), "prefill_tps": len(ids) / prefill_s,
         "decode_tokens": args.decode, "decode_tps": args.decode / sum(times), "tokens": toks,
+        "numerics": args.numerics, "logits_sha256": digests,
         "rss_before_load": rss0, "vm_hwm": vm("VmHWM"), "vm_rss_end": vm("VmRSS"),
         "rss_file_end": vm("RssFile"), "rss_anon_end": vm("RssAnon"),
         "mlx_peak": int(mx.get_peak_memory()), "mlx_active_end": int(mx.get_active_memory()),
@@ -153,7 +160,8 @@ def _dense_weights(model):
 
 def run_child(args, cache: str | None, trace: bool) -> dict:
     cmd = [sys.executable, __file__, "--child", "--model", str(args.model), "--prefill", str(args.prefill),
-           "--decode", str(args.decode), "--chunk", str(args.chunk), "--prompt-file", str(args.prompt_file)]
+           "--decode", str(args.decode), "--chunk", str(args.chunk), "--prompt-file", str(args.prompt_file),
+           "--numerics", args.numerics]
     if cache is not None:
         cmd += ["--cache", cache]
     if args.policy is not None:
@@ -191,6 +199,8 @@ def main(argv=None) -> int:
     ap.add_argument("--decode", type=int, default=16)
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--policy", choices=("lru", "lfu"), default=None)
+    ap.add_argument("--numerics", choices=("default", "ds4-cpu"), default="default",
+                    help="ds4-cpu: the parent also says whether every logits row is bit-identical")
     ap.add_argument("--prompt-file", default=str(DEFAULT_PROMPT))
     ap.add_argument("--policies-only", action="store_true", help="only the bounded run and the policy replay")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -238,6 +248,9 @@ def main(argv=None) -> int:
         dense = (bounded["file_bytes"] - bounded["routed_file_bytes"]) + bounded["dense_mlx_bytes"]
         slack = bounded["rss_before_load"] + bounded["prefill_reserve_bytes"]
         bound = dense + bounded["cache_bytes"] + bounded["kv_bytes"] + slack
+        same_bits = bounded["logits_sha256"] == full["logits_sha256"]
+        print(f"{args.numerics} numerics: logits rows bit-identical: {same_bits} "
+              f"({len(full['logits_sha256'])} rows: the prefill's last and every decoded step's)")
         print(f"tokens equal: {bounded['tokens'] == full['tokens']}; decode t/s bounded/unbounded "
               f"{bounded['decode_tps'] / full['decode_tps']:.2f}, prefill {bounded['prefill_tps'] / full['prefill_tps']:.2f}")
         print(f"bound = dense {dense / M:.0f} (file non-routed {(bounded['file_bytes'] - bounded['routed_file_bytes']) / M:.0f}"
@@ -246,7 +259,8 @@ def main(argv=None) -> int:
               f" + prefill reserve {bounded['prefill_reserve_bytes'] / M:.0f}) = {bound / M:.0f} MiB; "
               f"VmHWM bounded {bounded['vm_hwm'] / M:.0f} ({'within' if bounded['vm_hwm'] <= bound else 'OVER'}), "
               f"unbounded {full['vm_hwm'] / M:.0f} ({'within' if full['vm_hwm'] <= bound else 'over'})")
-        result.update(unbounded=full, bound=bound, tokens_equal=bounded["tokens"] == full["tokens"])
+        result.update(unbounded=full, bound=bound, tokens_equal=bounded["tokens"] == full["tokens"],
+                      logits_bit_identical=same_bits)
     out = os.environ.get("BENCH_EXPERT_CACHE_JSON")
     if out:
         Path(out).write_text(json.dumps(result, indent=1))
