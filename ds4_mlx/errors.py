@@ -70,3 +70,8 @@ class HubError(Ds4Error):
 class DistributedError(InferenceError):
     """A distributed run that cannot go on: no launcher started the ranks, more ranks than layers,
     a rank that never joined or was lost, a state the other ranks do not hold."""
+
+
+class DraftError(InferenceError):
+    """Speculative decoding that cannot run: a drafter file that is missing or unusable, a bad draft
+    length, a drafter that proposes ids outside the vocabulary, a model that cannot verify drafts."""
