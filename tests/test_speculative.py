@@ -259,7 +259,7 @@ def test_draft_length_backs_off_and_grows():
         if k:
             verifies += 1
             dl.update(k, 0)
-    assert verifies <= 8, verifies
+    assert verifies <= 6, verifies
     dl = DraftLength(4)
     for _ in range(10):  # always right
         dl.update(dl.next(), dl.next())
@@ -286,6 +286,10 @@ class _OutOfVocab(Drafter):
 
 
 def test_bad_drafts_and_options_fail_clearly(dflt, tiny_model_path, tmp_path):
+    from ds4_mlx.engine import speculative
+    from ds4_mlx.frontends import args
+
+    assert args.MAX_DRAFT_K == speculative.MAX_DRAFT_K
     for k in (-1, 0, 10 ** 6, 2.5, True):
         with pytest.raises(DraftError, match="draft_k"):
             check_draft_k(k)
@@ -303,3 +307,56 @@ def test_bad_drafts_and_options_fail_clearly(dflt, tiny_model_path, tmp_path):
     # the failed generation left the session usable (no verify pending)
     assert not s.verify_pending
     assert ds4_mlx.generate(dflt, [1, 2, 3], max_tokens=2, temperature=0, session=s, draft=False).tokens
+
+
+# -- the product: CLI and server ---------------------------------------------------------------------
+
+
+def test_cli_generate_with_a_draft(capsys, monkeypatch, tiny_model_path, tmp_path):
+    """``--draft FILE`` through the real loader hook (here a scripted drafter that first learns the plain
+    continuation): the same text as plain decoding, and the stats line reports the drafts."""
+    from ds4_mlx.engine import speculative
+    from ds4_mlx.frontends.cli import main
+
+    draft_file = tmp_path / "mtp.gguf"
+    draft_file.write_bytes(b"stand-in: the hook below returns the drafter")
+    d = ScriptedDrafter([], 0.0)
+    monkeypatch.setattr(speculative, "load_drafter", lambda path, model: d)
+    argv = ["generate", "-m", str(tiny_model_path), "-p", "Hello there", "--temp", "0", "-n", "8", "--ctx", "512",
+            "--nothink", "--mtp", str(draft_file), "--draft-k", "3"]
+    assert main(argv) == 0
+    out1, err1 = capsys.readouterr()
+    assert "draft: 0/0 accepted" in err1  # nothing to propose yet
+    d.script = list(d.context)  # the plain run's prompt and continuation (all but its last token)
+    assert main(argv) == 0
+    out2, err2 = capsys.readouterr()
+    assert out2 == out1 and "draft: 4/4 accepted (100 %" in err2, err2
+    for bad, msg in ((["--draft-k", "0"], "--draft-k must be in"), (["--draft-k", "-1"], "--draft-k must be in"),
+                     (["--draft-k", "100"], "--draft-k must be in")):
+        assert main(argv[:-2] + bad) == 2
+        assert msg in capsys.readouterr().err
+    assert main(argv[:-4] + ["--draft", str(tmp_path / "nope.gguf")]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_server_speculates_per_request(tiny_model_path):
+    import openai
+    from server_backend import LiveServer, http
+
+    from ds4_mlx.frontends.server import EngineBackend, ServerConfig
+
+    d = ScriptedDrafter([], 0.0)
+    backend = EngineBackend(str(tiny_model_path), ctx=1024, draft=d, draft_k=3)
+    with LiveServer(backend, ServerConfig(ctx=1024, keepalive_s=0.5)) as live:
+        oai = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        kw = dict(model="deepseek-chat", messages=[{"role": "user", "content": "Tell me about the sea"}],
+                  max_tokens=8, temperature=0)
+        r1 = oai.chat.completions.create(**kw)
+        d.script = list(d.context)
+        r2 = oai.chat.completions.create(**kw)
+        assert r2.choices[0].message.content == r1.choices[0].message.content
+        details = r2.usage.completion_tokens_details
+        assert details.accepted_prediction_tokens == 4 and details.rejected_prediction_tokens == 0
+        status, _, body = http(live.url, "GET", "/metrics")
+        text = body.decode()
+        assert status == 200 and "ds4_mlx_spec_drafted_total 4" in text and "ds4_mlx_spec_accepted_total 4" in text

@@ -100,10 +100,12 @@ class Engine:
         path = resolve_model_path(path)
         if checkpoint is not None:
             parse_checkpoint(checkpoint)  # a bad value fails before the file is read
-        if draft_k is not None:
-            from ds4_mlx.engine.speculative import check_draft_k
+        if draft_k is not None or draft is not None:  # as above: bad draft options fail before the load
+            from ds4_mlx.engine.speculative import check_draft_k, check_draft_path
 
-            check_draft_k(draft_k)  # as above
+            if draft_k is not None:
+                check_draft_k(draft_k)
+            check_draft_path(draft)
         with GGUFFile(path) as header:  # the header only (mmap): a variant we cannot run is refused first
             info = detect_checkpoint(header.metadata, path, checkpoint)
         network = load_network(path, numerics=numerics, **kwargs)

@@ -29,7 +29,7 @@ It consumes the RNG as plain decoding does (one draw per token), so a seed gives
 or without a drafter. ds4's opportunistic mode (accept a draft the sampler finds plausible, which
 changes the distribution) is not implemented.
 
-Draft length (``DraftLength``): starts at min(2, k_max), +1 after a fully accepted verify, down to
+Draft length (``DraftLength``): starts at 1, +1 after a fully accepted verify, down to
 (accepted + 1) after a partial one, halved after a fully rejected one; at 0 the speculator runs
 plain decode steps (the compiled step in default numerics) and probes with one draft after a
 back-off that doubles (16 .. 256 tokens) while probes keep failing, so a useless drafter costs a
@@ -58,14 +58,19 @@ MAX_DRAFT_K = 16
 BACKOFF_MIN, BACKOFF_MAX = 16, 256
 
 
+def check_draft_path(draft) -> None:
+    """A draft given as a path names a file (checked before the target model loads)."""
+    if isinstance(draft, (str, os.PathLike)) and not os.path.isfile(draft):
+        raise DraftError(f"draft model {os.fspath(draft)}: no such file")
+
+
 def load_drafter(path, model) -> Drafter:
     """The drafter stored at ``path`` for ``model`` (an ``Engine``): ds4's MTP GGUF or a DSpark file.
 
     # TODO(#25 drafter branch): the loader of the real drafters replaces this function.
     """
     p = os.fspath(path)
-    if not os.path.isfile(p):
-        raise DraftError(f"draft model {p}: no such file")
+    check_draft_path(p)
     raise DraftError(f"draft model {p}: loading drafter files is not available yet in this build "
                      f"(pass a Drafter object to ds4_mlx.load(..., draft=...))")
 
@@ -117,7 +122,7 @@ class DraftLength:
 
     def __init__(self, k_max: int):
         self.k_max = check_draft_k(k_max)
-        self.k = min(2, self.k_max)
+        self.k = 1  # one draft first: a useless drafter is found out at the price of one 2-token verify
         self.backoff = BACKOFF_MIN
         self.wait = 0
 

@@ -294,8 +294,12 @@ class EngineBackend(Backend):
                  sessions: int = 1, sessions_mb: float = 0, max_queue: int = 64,
                  model_id: str = "deepseek-v4-flash", replay=None,
                  logits_hook: Callable | None = None, distributed: str | None = None,
-                 checkpoint: str | None = None) -> None:
+                 checkpoint: str | None = None, draft=None, draft_k: int | None = None) -> None:
         self.model_path = model_path
+        # speculative decoding (``--draft`` / ``--draft-k``): the drafter lives with the model on the
+        # worker thread; each request's generation resets and restarts it on its own session, and the
+        # worker runs one request at a time, so no other session's state is ever in flight meanwhile
+        self.draft, self.draft_k = draft, draft_k
         self.checkpoint = checkpoint
         self.distributed = distributed
         self.numerics = numerics
@@ -324,7 +328,8 @@ class EngineBackend(Backend):
         from ds4_mlx.engine.session_pool import SessionPool
 
         model = ds4_mlx.load(self.model_path, numerics=self.numerics, experts=self.experts,
-                             distributed=self.distributed, checkpoint=self.checkpoint)
+                             distributed=self.distributed, checkpoint=self.checkpoint, draft=self.draft,
+                             draft_k=self.draft_k)
         if self.ctx > model.context_length:
             raise Ds4Error(f"--ctx {self.ctx} is larger than the model's context length {model.context_length}")
         disk = None
@@ -475,6 +480,7 @@ class EngineBackend(Backend):
                 now = time.monotonic()
                 yield Done(res.finish_reason, n_out, raw_dsml=res.raw_dsml, error=res.error,
                            prefill_seconds=t1 - t0, decode_seconds=now - t1,
-                           reasoning_tokens=0 if req.raw_output else res.stats.reasoning_tokens)
+                           reasoning_tokens=0 if req.raw_output else res.stats.reasoning_tokens,
+                           drafted_tokens=res.stats.drafted_tokens, accepted_tokens=res.stats.accepted_tokens)
                 return
         yield Done("error", n_out, error="engine ended without a done event")

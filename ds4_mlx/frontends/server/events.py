@@ -99,6 +99,8 @@ class Done:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     reasoning_tokens: int = 0       # of completion_tokens, those generated inside the reasoning
+    drafted_tokens: int = 0         # speculative decoding: draft tokens verified
+    accepted_tokens: int = 0        # of them, those the target agreed with
 
 
 Event = Union[Prefill, Started, Reasoning, Content, ToolStart, ToolArgs, ToolEnd, Done]

@@ -22,13 +22,15 @@ class Metrics:
         self.prefill_seconds = 0.0
         self.decode_seconds = 0.0
         self.disconnects = 0
+        self.drafted_tokens = 0   # speculative decoding
+        self.accepted_tokens = 0
 
     def request(self, endpoint: str, status: int) -> None:
         with self._lock:
             self.requests[(endpoint, status)] += 1
 
     def generation(self, *, finish: str, prompt: int, cached: int, completion: int, source: str,
-                   prefill_s: float, decode_s: float) -> None:
+                   prefill_s: float, decode_s: float, drafted: int = 0, accepted: int = 0) -> None:
         with self._lock:
             self.finishes[finish] += 1
             self.cache_hits[source] += 1
@@ -37,6 +39,8 @@ class Metrics:
             self.completion_tokens += completion
             self.prefill_seconds += prefill_s
             self.decode_seconds += decode_s
+            self.drafted_tokens += drafted
+            self.accepted_tokens += accepted
 
     def disconnect(self) -> None:
         with self._lock:
@@ -68,6 +72,10 @@ class Metrics:
                  "Average prefill speed over all requests."),
                 ("ds4_decode_tokens_per_second", "gauge", round(dec_tps, 3),
                  "Average decode speed over all requests."),
+                ("ds4_mlx_spec_drafted_total", "counter", self.drafted_tokens,
+                 "Speculative decoding: draft tokens the model verified."),
+                ("ds4_mlx_spec_accepted_total", "counter", self.accepted_tokens,
+                 "Speculative decoding: draft tokens the model's own choice agreed with."),
                 ("ds4_client_disconnects_total", "counter", self.disconnects,
                  "Requests cancelled because the client went away."),
                 ("ds4_queue_depth", "gauge", queue_depth, "Requests waiting for the worker."),
