@@ -96,6 +96,61 @@ def test_rollback_state_is_plain_decodings(cpu, p0, L):
         r.state.rollback(mark, p0 + 1)
 
 
+def test_default_numerics_chunk_rows_are_the_compiled_steps_up_to_rounding(dflt):
+    """Default numerics: plain decoding runs the compiled one-token step, a verify the chunk path; their
+    logits differ by BLAS rounding only (measured ~5e-6 on the tiny model)."""
+    net = dflt.network
+    toks = np.random.default_rng(9).integers(0, 5000, 45).tolist()
+    r = net.new_session(ctx=4096)
+    r.prefill(toks[:40])
+    mark = r.state.mark()
+    steps = []
+    for t in toks[40:]:
+        r.eval(t)
+        steps.append(r.logits())
+    logits = np.asarray(net.forward_verify(np.array(toks[40:]), mark)[0])
+    for i, row in enumerate(steps):
+        assert np.abs(logits[i] - row).max() < 1e-3 and int(np.argmax(logits[i])) == int(np.argmax(row)), i
+
+
+class _HiddenRecorder(ScriptedDrafter):
+    """A scripted drafter that wants the target's rows and keeps what ``accept`` gave it."""
+
+    wants_hidden = True
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.calls = []
+
+    def accept(self, tokens, hidden):
+        self.calls.append((list(tokens), hidden))
+        super().accept(tokens, hidden)
+
+    def propose(self, k):
+        # like an MTP head: nothing to draft from until a row came
+        return super().propose(k) if any(h is not None for _, h in self.calls) else []
+
+
+def test_hidden_rows_are_the_rows_that_chose_each_token(cpu):
+    """The protocol's convention: hidden[i] is the target's last-block output at the position before
+    tokens[i], so the output head on it gives the logits that chose tokens[i] (greedy: its argmax)."""
+    g = golden_json("raw_short")
+    prompt, want = g["prompt_tokens"], g["greedy_generated"]
+    d = _HiddenRecorder(prompt + want, 0.3, seed=2, n_vocab=cpu.config.n_vocab)
+    res = ds4_mlx.generate(cpu, prompt, max_tokens=12, temperature=0, draft=d)
+    assert res.tokens == want[:12] and res.stats.drafted_tokens > 0
+    net, n = cpu.network, 0
+    assert d.calls[0][1] is None  # the first token: chosen from the prompt's prefill, no rows kept
+    for tokens, hidden in d.calls[1:]:
+        assert hidden is not None and hidden.shape == (len(tokens), net.config.n_hc, net.config.n_embd)
+        chose = np.argmax(np.asarray(net.head(hidden)), axis=-1).tolist()
+        assert chose == tokens
+        n += len(tokens)
+    # every token after the first came with its row (those of the last verify are not reported: the
+    # generation ended, the drafter is reset before the next one)
+    assert n >= 8, n
+
+
 def test_session_refuses_to_save_a_pending_verify(cpu):
     s = cpu.new_session(256)
     s.sync([1, 2, 3, 4])
