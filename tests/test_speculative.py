@@ -7,6 +7,8 @@ n_swa 32), snapshots / payloads / the disk cache never hold a draft, and bad dra
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -136,19 +138,24 @@ def test_hidden_rows_are_the_rows_that_chose_each_token(cpu):
     tokens[i], so the output head on it gives the logits that chose tokens[i] (greedy: its argmax)."""
     g = golden_json("raw_short")
     prompt, want = g["prompt_tokens"], g["greedy_generated"]
-    d = _HiddenRecorder(prompt + want, 0.3, seed=2, n_vocab=cpu.config.n_vocab)
+    # all drafts right (with wrong ones the timed draft length may back off to plain steps on a busy
+    # machine, leaving too few rows to check)
+    d = _HiddenRecorder(prompt + want, 0.0, seed=2, n_vocab=cpu.config.n_vocab)
     res = ds4_mlx.generate(cpu, prompt, max_tokens=12, temperature=0, draft=d)
     assert res.tokens == want[:12] and res.stats.drafted_tokens > 0
     net, n = cpu.network, 0
-    assert d.calls[0][1] is None  # the first token: chosen from the prompt's prefill, no rows kept
-    for tokens, hidden in d.calls[1:]:
-        assert hidden is not None and hidden.shape == (len(tokens), net.config.n_hc, net.config.n_embd)
+    # the first tokens: chosen from the prompt's prefill and plain steps (calibration), no rows kept
+    assert d.calls[0][1] is None
+    for tokens, hidden in d.calls:
+        if hidden is None:
+            continue
+        assert hidden.shape == (len(tokens), net.config.n_hc, net.config.n_embd)
         chose = np.argmax(np.asarray(net.head(hidden)), axis=-1).tolist()
         assert chose == tokens
         n += len(tokens)
     # every token after the first came with its row (those of the last verify are not reported: the
     # generation ended, the drafter is reset before the next one)
-    assert n >= 8, n
+    assert n >= 6, n
 
 
 def test_session_refuses_to_save_a_pending_verify(cpu):
@@ -231,18 +238,19 @@ def test_sampling_is_exact_and_seed_identical(cpu, dflt):
     assert res.stats.drafted_tokens > 0
 
     s2 = prompt_session(dflt, prompt)
-    greedy = ds4_mlx.generate(dflt, prompt, max_tokens=3, temperature=0, session=s2, draft=False).tokens
     firsts_plain, firsts_spec = [], []
     for seed in range(1, 17):
-        a = ds4_mlx.generate(dflt, prompt, max_tokens=3, temperature=1.5, min_p=0.0, seed=seed, session=s2,
+        a = ds4_mlx.generate(dflt, prompt, max_tokens=5, temperature=1.5, min_p=0.0, seed=seed, session=s2,
                              draft=False).tokens
-        # drafts: the greedy continuation after whatever the first token is
-        d = ScriptedDrafter(prompt + a[:1] + greedy[1:], 0.0, n_vocab=dflt.config.n_vocab)
-        b = ds4_mlx.generate(dflt, prompt, max_tokens=3, temperature=1.5, min_p=0.0, seed=seed, session=s2,
+        # tokens 0, 1: plain (the draft length's calibration); the draft for token 3 is the plain run's
+        # own draw, accepted whenever speculation draws it too
+        d = ScriptedDrafter(prompt + a, 0.0, n_vocab=dflt.config.n_vocab)
+        b = ds4_mlx.generate(dflt, prompt, max_tokens=5, temperature=1.5, min_p=0.0, seed=seed, session=s2,
                              draft=d)
-        assert b.stats.drafted_tokens == 1  # token 2 is the drafted position (token 3 comes from its row)
-        firsts_plain.append(a[1:])
-        firsts_spec.append(b.tokens[1:])
+        assert b.stats.drafted_tokens == 1  # token 3 is the drafted position (token 4 comes from its row)
+        assert b.tokens[:3] == a[:3]
+        firsts_plain.append(a[3:])
+        firsts_spec.append(b.tokens[3:])
     # default numerics: the verify rows carry BLAS rounding (~5e-6), which moves a draw that lands within
     # that of a CDF step to the neighbouring token; so equal up to a rare such flip
     flips = sum(a != b for a, b in zip(firsts_spec, firsts_plain))
@@ -306,6 +314,25 @@ def test_disk_cache_saves_no_draft_and_a_hit_speculates(cpu, tmp_path):
 # -- draft length -------------------------------------------------------------------------------------
 
 
+def test_draft_length_cost_model():
+    """Timed: a verify of k drafts costs c0 + c1·k; k maximises expected tokens per second."""
+    dl = DraftLength(4)
+    dl.timed(0, 1.0)
+    dl.timed(1, 1.6)  # c1 = 0.6: a draft pays for itself only when it is kept well over half the time
+    for _ in range(20):
+        dl.update(4, 4)
+    assert dl.acceptance > 0.9 and dl.best() == 4 and dl.k == 4
+    for _ in range(20):
+        dl.update(2, 1)  # acceptance 1/2
+    assert dl.best() == 0 and dl.k == 0 and dl.next() == 0  # backed off
+    dl = DraftLength(4)
+    dl.timed(0, 1.0)
+    dl.timed(2, 1.1)  # a GPU-like verify: nearly free
+    for _ in range(20):
+        dl.update(2, 1)
+    assert dl.best() >= 2
+
+
 def test_draft_length_backs_off_and_grows():
     dl = DraftLength(4)
     verifies = 0
@@ -358,7 +385,7 @@ def test_bad_drafts_and_options_fail_clearly(dflt, tiny_model_path, tmp_path):
         ds4_mlx.generate(dflt, [1, 2, 3], max_tokens=2, draft=object())
     s = dflt.new_session(64)
     with pytest.raises(DraftError, match="outside|not a token id"):
-        ds4_mlx.generate(dflt, [1, 2, 3], max_tokens=4, temperature=0, session=s, draft=_OutOfVocab())
+        ds4_mlx.generate(dflt, [1, 2, 3], max_tokens=8, temperature=0, session=s, draft=_OutOfVocab())
     # the failed generation left the session usable (no verify pending)
     assert not s.verify_pending
     assert ds4_mlx.generate(dflt, [1, 2, 3], max_tokens=2, temperature=0, session=s, draft=False).tokens
@@ -385,7 +412,8 @@ def test_cli_generate_with_a_draft(capsys, monkeypatch, tiny_model_path, tmp_pat
     d.script = list(d.context)  # the plain run's prompt and continuation (all but its last token)
     assert main(argv) == 0
     out2, err2 = capsys.readouterr()
-    assert out2 == out1 and "draft: 4/4 accepted (100 %" in err2, err2
+    m = re.search(r"draft: (\d+)/(\d+) accepted \(100 %", err2)
+    assert out2 == out1 and m and m.group(1) == m.group(2) != "0", err2  # how many: the timed draft length
     for bad, msg in ((["--draft-k", "0"], "--draft-k must be in"), (["--draft-k", "-1"], "--draft-k must be in"),
                      (["--draft-k", "100"], "--draft-k must be in")):
         assert main(argv[:-2] + bad) == 2
@@ -411,7 +439,8 @@ def test_server_speculates_per_request(tiny_model_path):
         r2 = oai.chat.completions.create(**kw)
         assert r2.choices[0].message.content == r1.choices[0].message.content
         details = r2.usage.completion_tokens_details
-        assert details.accepted_prediction_tokens == 4 and details.rejected_prediction_tokens == 0
+        n = details.accepted_prediction_tokens
+        assert n > 0 and details.rejected_prediction_tokens == 0
         status, _, body = http(live.url, "GET", "/metrics")
         text = body.decode()
-        assert status == 200 and "ds4_mlx_spec_drafted_total 4" in text and "ds4_mlx_spec_accepted_total 4" in text
+        assert status == 200 and f"ds4_mlx_spec_drafted_total {n}" in text and f"ds4_mlx_spec_accepted_total {n}" in text

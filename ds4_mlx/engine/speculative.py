@@ -29,11 +29,14 @@ It consumes the RNG as plain decoding does (one draw per token), so a seed gives
 or without a drafter. ds4's opportunistic mode (accept a draft the sampler finds plausible, which
 changes the distribution) is not implemented.
 
-Draft length (``DraftLength``): starts at 1, +1 after a fully accepted verify, down to
-(accepted + 1) after a partial one, halved after a fully rejected one; at 0 the speculator runs
-plain decode steps (the compiled step in default numerics) and probes with one draft after a
+Draft length (``DraftLength``): a cost model once the speculator has timed a plain step and a
+verify — the k in 0 .. k_max that maximises expected tokens per second from the recent acceptance
+and the measured step times — and a greedy rule before that (start at 1, +1 after a fully accepted
+verify, accepted + 1 after a partial one, halved after a fully rejected one). At 0 the speculator
+runs plain decode steps (the compiled step in default numerics) and probes with one draft after a
 back-off that doubles (16 .. 256 tokens) while probes keep failing, so a useless drafter costs a
-handful of verify steps per few hundred tokens.
+handful of verify steps per few hundred tokens, and one whose acceptance does not pay for the
+verify cost on this machine is dropped too.
 
 Chunk size and boundaries: a verify holds at most n_swa tokens (its raw rows must not overwrite each
 other in the ring) and never extends past a multiple of the session's prefill chunk or the disk
@@ -44,6 +47,7 @@ cache's continued-save step, so the commits land on every such boundary as plain
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -118,33 +122,74 @@ class SpecStats:
 
 
 class DraftLength:
-    """The adaptive draft length with back-off (module docstring)."""
+    """The adaptive draft length with back-off (module docstring).
+
+    Two rules. Until both costs are measured, a greedy one: +1 after a fully accepted verify, down to
+    accepted + 1 after a partial one, halved after a fully rejected one. Then a cost model: the
+    speculator times every step (``timed``: from the start of a step to the start of the next, so
+    what the loop does with the tokens is counted), a plain step costs c0, a verify of k drafts
+    c0 + c1·k; with a the recent per-draft acceptance, k drafts emit E(k) = 1 + a + … + a^k tokens,
+    and k is the argmax of E(k) / (c0 + c1·k) over 0 .. k_max (0: plain steps). The first
+    ``CALIBRATE`` steps of a generation are plain, so c0 is known from the start. At k = 0 the
+    speculator backs off (plain steps) and then probes with one draft, the back-off doubling
+    (16 .. 256 tokens) while probes fail."""
+
+    CALIBRATE = 2
+    DECAY = 0.8     # weight of the older acceptance counts at each verify
+    ALPHA = 0.3     # weight of a new time in the cost averages
 
     def __init__(self, k_max: int):
         self.k_max = check_draft_k(k_max)
         self.k = 1  # one draft first: a useless drafter is found out at the price of one 2-token verify
         self.backoff = BACKOFF_MIN
-        self.wait = 0
+        self.wait = self.CALIBRATE
+        self.hits, self.misses = 1.0, 1.0
+        self.c0: float | None = None
+        self.t_verify: dict[int, float] = {}  # k -> average seconds of a verify step with k drafts
 
     def next(self) -> int:
         """The number of drafts to ask for at this token (0: a plain step)."""
-        if self.k:
-            return self.k
         if self.wait > 0:
             self.wait -= 1
             return 0
-        return 1  # a probe
+        return self.k or 1  # k == 0 after the back-off: a probe
+
+    def timed(self, k: int, seconds: float) -> None:
+        """A step with ``k`` drafts (0: plain) took ``seconds`` up to the next step."""
+        if k == 0:
+            self.c0 = seconds if self.c0 is None else (1 - self.ALPHA) * self.c0 + self.ALPHA * seconds
+        else:
+            old = self.t_verify.get(k)
+            self.t_verify[k] = seconds if old is None else (1 - self.ALPHA) * old + self.ALPHA * seconds
+
+    @property
+    def acceptance(self) -> float:
+        return self.hits / (self.hits + self.misses)
+
+    def best(self) -> int | None:
+        """The k of the cost model, or None while c0 or every verify cost is unknown."""
+        if self.c0 is None or not self.t_verify:
+            return None
+        c0 = self.c0
+        c1 = sorted(max(t - c0, 0.0) / k for k, t in self.t_verify.items())[len(self.t_verify) // 2]
+        a = self.acceptance
+        return max(range(self.k_max + 1), key=lambda k: (sum(a ** i for i in range(k + 1)) / (c0 + c1 * k), -k))
 
     def update(self, drafted: int, accepted: int) -> None:
         if drafted <= 0:
             return
         probe = self.k == 0
+        self.hits = self.DECAY * self.hits + accepted
+        self.misses = self.DECAY * self.misses + (accepted < drafted)
         if accepted == drafted:
             self.k = min(self.k_max, max(self.k, drafted) + 1)
         elif accepted:
             self.k = min(max(self.k, 1), accepted + 1)
         else:
             self.k = (self.k // 2) if not probe else 0
+        best = self.best()
+        if best is not None:
+            self.k = best
         if self.k and accepted:
             self.backoff = BACKOFF_MIN
         elif self.k == 0:
@@ -178,6 +223,7 @@ class Speculator:
         self._rows: np.ndarray | None = None
         self._hidden: mx.array | None = None
         self._fed = 0
+        self._t_step, self._timed_k = 0.0, None
         drafter.reset()
         drafter.start(session.tokens, None)
 
@@ -231,15 +277,21 @@ class Speculator:
         return max(k, 0)
 
     def _step(self, token: int, room: int) -> None:
+        now = time.perf_counter()
+        if self._timed_k is not None:
+            self.length.timed(self._timed_k, now - self._t_step)
+        self._t_step, self._timed_k = now, None
         k = min(self.length.next(), self._room(room))
         drafts = self._propose(k) if k else []
         if not drafts and not (k and self.drafter.wants_hidden):
+            self._timed_k = 0
             self.session.eval(token)  # a plain step
             if self.on_commit is not None:
                 self.on_commit(self.session)
             return
         # (a drafter that wants rows and had none to draft from gets a one-token verify: its rows)
         chunk = [token] + drafts
+        self._timed_k = len(drafts) or None  # (a one-token verify for rows is not a cost sample)
         rows, hidden = self.session.verify(chunk)
         self.stats.verifies += 1
         self.stats.drafted += len(drafts)
