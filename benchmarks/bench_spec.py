@@ -12,7 +12,7 @@
 2. Decode speed. ``--tokens`` tokens greedy from the same prompt, plain, then with a
    ``ScriptedDrafter`` proposing the plain continuation with a per-token error rate of 100 / 50 / 20 /
    0 % (scripted acceptance 0 / 50 / 80 / 100 %), interleaved rounds; decode t/s (the fastest round)
-   relative to plain, the measured acceptance (accepted / drafted) and whether the tokens equal plain decoding's.
+   relative to plain's fastest, the median over rounds of each round's ratio to that round's plain run, the measured acceptance (accepted / drafted) and whether the tokens equal plain decoding's.
 3. Bytes per token: the model file's weights read by one decode step (dense + 6 routed experts per
    layer) and by a verify of L tokens (dense once + the distinct experts of L tokens, random routing:
    n_exp (1 - (1 - 6/n_exp)^L) per layer), scaled to the 43-layer model; the bandwidth-bound (GPU)
@@ -92,10 +92,12 @@ def decode_speed(eng, prompt: list[int], n: int, rounds: int, k: int) -> dict:
     out = {}
     for name, results in runs.items():
         tps = max(x.stats.decode_tps for x in results)
+        # each round's speed over the plain run of the same round (adjacent in time), median over rounds
+        ratio = statistics.median(x.stats.decode_tps / p.stats.decode_tps for x, p in zip(results, runs["plain"]))
         drafted = sum(x.stats.drafted_tokens for x in results)
         accepted = sum(x.stats.accepted_tokens for x in results)
         same = all(x.tokens == plain.tokens for x in results)
-        out[name] = (tps, accepted / drafted if drafted else None, same,
+        out[name] = (tps, ratio, accepted / drafted if drafted else None, same,
                      sum(x.stats.verify_steps for x in results) / len(results))
     return out
 
@@ -134,6 +136,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (random ids)")
     ap.add_argument("--tokens", type=int, default=48, help="tokens per generation")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--cost-rounds", type=int, default=0, help="rounds of part 1 (default: --rounds)")
     ap.add_argument("--draft-k", type=int, default=4)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -143,9 +146,10 @@ def main() -> None:
         print(f"model {path.name} ({eng.config.n_layer} layers, n_embd {eng.config.n_embd}), numerics "
               f"{args.numerics}, prompt {args.prompt} tokens; {load_text()}")
 
-        cost = verify_cost(eng, prompt, args.rounds)
+        cost = verify_cost(eng, prompt, args.cost_rounds or args.rounds)
         base, base_med = cost["decode"]
-        print(f"\n1. verify cost (fastest / median of {args.rounds} interleaved rounds; {load_text()})")
+        print(f"\n1. verify cost (fastest / median of {args.cost_rounds or args.rounds} interleaved rounds; "
+              f"{load_text()})")
         print(f"   decode step {base * 1e3:8.1f} ms {base_med * 1e3:8.1f} ms")
         for k in (1, 2, 3, 4):
             t, med = cost[f"k={k}"]
@@ -156,9 +160,10 @@ def main() -> None:
         plain_tps = speed["plain"][0]
         print(f"\n2. decode {args.tokens} tokens, draft_k {args.draft_k} (fastest of {args.rounds} interleaved "
               f"rounds; {load_text()})")
-        for name, (tps, acc, same, verifies) in speed.items():
+        for name, (tps, ratio, acc, same, verifies) in speed.items():
             acc_text = "-" if acc is None else f"{100 * acc:5.1f} %"
-            print(f"   {name:>6}: {tps:7.2f} t/s = {tps / plain_tps:5.2f} x plain   measured acceptance "
+            print(f"   {name:>6}: {tps:7.2f} t/s = {tps / plain_tps:5.2f} x plain (per round: {ratio:5.2f} x)   "
+                  f"measured acceptance "
                   f"{acc_text:>7}, {verifies:5.1f} verify steps, tokens equal plain: {same}")
 
         dense, head, routed, n_exp, n_layer = weight_bytes(path)

@@ -318,13 +318,23 @@ def test_draft_length_cost_model():
     """Timed: a verify of k drafts costs c0 + c1·k; k maximises expected tokens per second."""
     dl = DraftLength(4)
     dl.timed(0, 1.0)
-    dl.timed(1, 1.6)  # c1 = 0.6: a draft pays for itself only when it is kept well over half the time
+    dl.timed(1, 1.6)
+    dl.timed(3, 2.8)  # 0.6 per draft: a draft pays for itself only when it is kept well over half the time
+    assert abs(dl.cost(2) - 2.2) < 1e-9 and abs(dl.cost(4) - 3.4) < 1e-9
     for _ in range(20):
         dl.update(4, 4)
     assert dl.acceptance > 0.9 and dl.best() == 4 and dl.k == 4
     for _ in range(20):
         dl.update(2, 1)  # acceptance 1/2
     assert dl.best() == 0 and dl.k == 0 and dl.next() == 0  # backed off
+    dl = DraftLength(4)
+    dl.timed(0, 1.0)
+    dl.timed(1, 2.0)  # a verify of one draft costs two plain steps (the tiny model on the CPU) ...
+    for _ in range(20):
+        dl.update(1, 1)
+    assert dl.best() == 4  # ... but more drafts may cost little more: tried (10 % of c0 per draft)
+    dl.timed(4, 2.3)
+    assert dl.best() == 4 and abs(dl.cost(2) - 2.1) < 1e-9
     dl = DraftLength(4)
     dl.timed(0, 1.0)
     dl.timed(2, 1.1)  # a GPU-like verify: nearly free

@@ -128,8 +128,9 @@ class DraftLength:
     accepted + 1 after a partial one, halved after a fully rejected one. Then a cost model: the
     speculator times every step (``timed``: from the start of a step to the start of the next, so
     what the loop does with the tokens is counted), a plain step costs c0, a verify of k drafts
-    c0 + c1·k; with a the recent per-draft acceptance, k drafts emit E(k) = 1 + a + … + a^k tokens,
-    and k is the argmax of E(k) / (c0 + c1·k) over 0 .. k_max (0: plain steps). The first
+    cost(k) (measured, else ``cost``'s estimate); with a the recent per-draft acceptance, k drafts
+    emit E(k) = 1 + a + … + a^k tokens, and k is the argmax of E(k) / cost(k) over 0 .. k_max
+    (0: plain steps). The first
     ``CALIBRATE`` steps of a generation are plain, so c0 is known from the start. At k = 0 the
     speculator backs off (plain steps) and then probes with one draft, the back-off doubling
     (16 .. 256 tokens) while probes fail."""
@@ -166,14 +167,32 @@ class DraftLength:
     def acceptance(self) -> float:
         return self.hits / (self.hits + self.misses)
 
+    def cost(self, k: int) -> float:
+        """Seconds of a step with ``k`` drafts: measured, or between / beyond the measured ones (a
+        verify's cost is affine in k, its intercept above c0: the chunk path's fixed part); beyond
+        the largest measured k with the measured slope, or optimistically 10 % of c0 per draft when
+        one k is measured, so a longer draft gets tried once the acceptance makes it worth it."""
+        if k == 0:
+            return self.c0
+        t = self.t_verify
+        if k in t:
+            return t[k]
+        lo = max((j for j in t if j < k), default=None)
+        hi = min((j for j in t if j > k), default=None)
+        if lo is not None and hi is not None:
+            return t[lo] + (t[hi] - t[lo]) * (k - lo) / (hi - lo)
+        ks = sorted(t)
+        slope = (t[ks[-1]] - t[ks[0]]) / (ks[-1] - ks[0]) if len(ks) > 1 else 0.1 * self.c0
+        slope = max(slope, 0.0)
+        base = lo if lo is not None else hi
+        return max(t[base] + slope * (k - base), 1e-9)
+
     def best(self) -> int | None:
         """The k of the cost model, or None while c0 or every verify cost is unknown."""
         if self.c0 is None or not self.t_verify:
             return None
-        c0 = self.c0
-        c1 = sorted(max(t - c0, 0.0) / k for k, t in self.t_verify.items())[len(self.t_verify) // 2]
         a = self.acceptance
-        return max(range(self.k_max + 1), key=lambda k: (sum(a ** i for i in range(k + 1)) / (c0 + c1 * k), -k))
+        return max(range(self.k_max + 1), key=lambda k: (sum(a ** i for i in range(k + 1)) / self.cost(k), -k))
 
     def update(self, drafted: int, accepted: int) -> None:
         if drafted <= 0:
