@@ -37,6 +37,11 @@ Metal; ``DS4_MLX_RESUME_PREFILL_MIN`` overrides the default, like ds4's
 ``DS4_METAL_RESUME_PREFILL_MIN``). A one-token step *is* a one-token chunk here, so below the
 crossover the two paths are the same computation; the value matters for speed only.
 
+Speculative decoding (``engine/speculative.py``): ``verify(tokens)`` feeds a drafted chunk and keeps
+the state before it, ``commit(n)`` keeps its first n tokens (``ModelCache.rollback``: exact, no
+recomputation). In between the session refuses snapshots, payloads and feeds, so no saved state ever
+holds a draft token.
+
 Across ranks (``distributed="pipeline"``): snapshots, checkpoints and several sessions work as in
 one process (each rank keeps its part of every state rank 0 still holds, ``model.distributed``),
 and a payload gathers every rank's layers, so its file is the one a single process writes.
