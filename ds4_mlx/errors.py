@@ -76,3 +76,8 @@ class MemoryPlanError(Ds4Error):
     """A load whose memory plan (weights, expert cache, KV at the context, scratch) does not fit
     the machine's memory (``model.memory_plan``), refused before any weight is read; or a bad
     simulated memory size. The message names the numbers and what would fit."""
+
+
+class DraftError(InferenceError):
+    """Speculative decoding that cannot run: a drafter file that is missing or unusable, a bad draft
+    length, a drafter that proposes ids outside the vocabulary, a model that cannot verify drafts."""

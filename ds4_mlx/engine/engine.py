@@ -77,12 +77,19 @@ class Engine:
         self.effort_rules = RULES[self.checkpoint_info.checkpoint]
         self.load_time = load_time  # seconds spent in open (mmap, tables, tokenizer)
         self._model_id = model_id
+        # speculative decoding (``engine/speculative.py``): the drafter generation uses by default
+        # and its most drafts per verify step; set by ``open(draft=...)`` or ``set_drafter``
+        self.drafter = None
+        self.draft_k: int | None = None
 
     @classmethod
-    def open(cls, path: str | os.PathLike, numerics: str = "default", *, checkpoint=None, **kwargs) -> "Engine":
+    def open(cls, path: str | os.PathLike, numerics: str = "default", *, checkpoint=None, draft=None,
+             draft_k: int | None = None, **kwargs) -> "Engine":
         """Open a GGUF (or an ``hf:REPO/FILE`` spec); ``kwargs`` go to ``model.loader.load``.
         ``checkpoint``: "preview" / "0731" for a file whose name and metadata do not say
-        (``formats.checkpoint``); None decides from the file.
+        (``formats.checkpoint``); None decides from the file. ``draft``: a ``Drafter`` or a draft
+        model's path (``speculative.load_drafter``) for speculative decoding, ``draft_k`` its most
+        drafts per verify step (``set_drafter``).
 
         With ``distributed`` ("pipeline" / "experts") only rank 0 returns: every other rank follows
         rank 0's commands here and exits (``SystemExit(0)``) when rank 0 ends, so one script runs on
@@ -93,6 +100,12 @@ class Engine:
         path = resolve_model_path(path)
         if checkpoint is not None:
             parse_checkpoint(checkpoint)  # a bad value fails before the file is read
+        if draft_k is not None or draft is not None:  # as above: bad draft options fail before the load
+            from ds4_mlx.engine.speculative import check_draft_k, check_draft_path
+
+            if draft_k is not None:
+                check_draft_k(draft_k)
+            check_draft_path(draft)
         with GGUFFile(path) as header:  # the header only (mmap): a variant we cannot run is refused first
             info = detect_checkpoint(header.metadata, path, checkpoint)
         network = load_network(path, numerics=numerics, **kwargs)  # ctx / simulate_memory: its memory plan
@@ -103,7 +116,23 @@ class Engine:
             raise SystemExit(0)
         # the network keeps its GGUFFile open: build the tokenizer from it rather than reopening the file
         tokenizer = Tokenizer.from_gguf(network.source)
-        return cls(network, tokenizer, path, load_time=time.perf_counter() - t0, checkpoint=info)
+        engine = cls(network, tokenizer, path, load_time=time.perf_counter() - t0, checkpoint=info)
+        if draft is not None or draft_k is not None:
+            engine.set_drafter(draft, draft_k)
+        return engine
+
+    def set_drafter(self, draft, draft_k: int | None = None) -> None:
+        """Speculate with ``draft`` (a ``Drafter``, a draft model's path, or None: stop) by default in
+        every generation of this model; ``draft_k``: the most drafts per verify step (default 4).
+        Checked here: a file that cannot be loaded or a model that cannot verify is an error now."""
+        from ds4_mlx.engine.speculative import check_draft_k, check_speculation, resolve_drafter
+
+        if draft_k is not None:
+            check_draft_k(draft_k)
+        drafter = resolve_drafter(draft, self)
+        if drafter is not None:
+            check_speculation(self.network)
+        self.drafter, self.draft_k = drafter, draft_k
 
     # -- identity ------------------------------------------------------------------------------------
 

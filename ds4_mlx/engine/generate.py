@@ -92,6 +92,10 @@ class GenerationStats:
     peak_rss_bytes: int = 0         # process RSS high-water mark
     peak_mlx_bytes: int = 0         # mx.get_peak_memory()
     think: str = "none"             # the thinking mode in effect
+    draft: str = "none"             # the drafter of speculative decoding in effect (its class), or "none"
+    drafted_tokens: int = 0         # draft tokens the target verified
+    accepted_tokens: int = 0        # of them, those the target's own choice agreed with (and fed)
+    verify_steps: int = 0           # batched verify steps run
     notices: list[str] = field(default_factory=list)  # one-line notices (Think Max fallback, ...)
     cache: list[str] = field(default_factory=list)    # disk KV cache reports, one line each
     # The bounded device expert cache (``model.expert_cache``; None without one): per accessed
@@ -132,6 +136,11 @@ class GenerationStats:
         return n / self.prefill_s if n > 0 and self.prefill_s > 0 else None
 
     @property
+    def acceptance(self) -> float | None:
+        """accepted / drafted tokens; None when nothing was drafted."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
+
+    @property
     def decode_tps(self) -> float:
         n = self.generation_tokens
         return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
@@ -142,8 +151,13 @@ class GenerationStats:
         prefill = (f"{tps:.2f} t/s" if tps is not None else
                    f"all {self.prompt_tokens} prompt tokens cached" if self.prompt_tokens else "0 tokens")
         ttft = "-" if self.ttft_s is None else f"{self.ttft_s:.2f} s"
+        spec = ""
+        if self.draft != "none":
+            acc = self.acceptance
+            spec = (f"draft: {self.accepted_tokens}/{self.drafted_tokens} accepted "
+                    f"({'-' if acc is None else f'{100 * acc:.0f} %'}, {self.verify_steps} verify steps), ")
         return (f"prompt: {self.prompt_tokens} tokens ({self.cached_tokens} cached), prefill: {prefill}, "
-                f"generation: {self.decode_tps:.2f} t/s ({self.generation_tokens} tokens), "
+                f"generation: {self.decode_tps:.2f} t/s ({self.generation_tokens} tokens), {spec}"
                 f"load: {self.load_time_s:.2f} s, ttft: {ttft}, "
                 f"peak memory: {self.peak_rss_bytes / 2**20:.0f} MiB RSS, {self.peak_mlx_bytes / 2**20:.0f} MiB MLX"
                 + self._expert_summary())
@@ -349,7 +363,8 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
                     system: str | None = DEFAULT_SYSTEM, raw: bool = False, stop=None, tools=None,
                     session=None, logprobs: int = 0, progress: Callable[[int, int, float], None] | None = None,
                     ctx: int | None = None, kv_cache=None, kv_cache_save_on_exit: bool = False,
-                    cancel=None, tool_choice=None, logits_processors=None) -> Iterator[GenerationEvent]:
+                    cancel=None, tool_choice=None, logits_processors=None, draft=None,
+                    draft_k: int | None = None) -> Iterator[GenerationEvent]:
     """Generate from ``prompt`` and yield events (see the module docstring).
 
     ``model``: ``ds4_mlx.load(...)``. ``prompt``: a string (ds4's CLI chat template, or tokenized
@@ -370,6 +385,10 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
     ``logits_processors``: callables ``fn(generated_ids, logits) -> logits`` (as mlx-lm's, on
     float32 numpy logits) applied in order before each token is chosen; they constrain decoding
     (a forced prefix, a tool_choice) and never run when absent, so the numerics are unchanged.
+    ``draft``: speculative decoding (``engine/speculative.py``) with this ``Drafter`` (or a draft
+    model path); None: the drafter ``ds4_mlx.load(..., draft=...)`` attached to the model, if any;
+    False: none. ``draft_k``: the most drafts per verify step (default: the model's, else 4). The
+    output is the one plain decoding gives (bit for bit in ds4-cpu numerics, at any temperature).
     """
     from ds4_mlx.engine.engine import Engine, as_think_mode
 
@@ -395,6 +414,13 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
     as_think_mode(think)  # a bad value fails before a session is made
     if tool_choice == "none":
         tools = None
+    from ds4_mlx.engine.speculative import DEFAULT_DRAFT_K, Speculator, check_draft_k, resolve_drafter
+
+    drafter = None if draft is False else resolve_drafter(getattr(model, "drafter", None) if draft is None
+                                                          else draft, model)
+    if draft_k is None:
+        draft_k = getattr(model, "draft_k", None) or DEFAULT_DRAFT_K
+    draft_k = check_draft_k(draft_k)
     if session is None:
         session = model.new_session(ctx)
     else:
@@ -474,6 +500,23 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
     eos = model.eos_id
 
     n_calls = 0
+    spec = None
+    kv_reports: list = []
+    if drafter is not None and finish is None:
+        boundaries = ()
+        if kv_cache is not None:
+            from ds4_mlx.engine.kvstore_policy import continued_step
+
+            boundaries = (continued_step(kv_cache.options),)
+
+        def after_feed(s) -> None:
+            if kv_cache is not None:
+                res = kv_cache.after_eval(s)
+                if res is not None:
+                    kv_reports.append(res)
+
+        spec = Speculator(session, drafter, draft_k, boundaries=boundaries, on_commit=after_feed)
+        stats.draft = type(drafter).__name__
 
     def emit(text: str, token: int | None, lp=None, top=()) -> list[GenerationEvent]:
         nonlocal n_calls
@@ -503,7 +546,7 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
             if len(generated) >= limit:
                 finish = "length"
                 break
-            logits = session.logits()
+            logits = spec.logits() if spec is not None else session.logits()
             for fn in processors:
                 logits = fn(generated, logits)
             greedy = params.greedy or (tools is not None and parser.in_structural_syntax())
@@ -535,14 +578,25 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
             if len(generated) >= limit:
                 finish = "length"
                 break
-            session.eval(token)
-            if kv_cache is not None:
-                res = kv_cache.after_eval(session)
-                if res is not None:
-                    stats.cache.append(save_line(res))
-                    yield GenerationEvent("cache", stats.cache[-1], report=res)
+            if spec is not None:
+                spec.feed(token, limit - len(generated))
+            else:
+                session.eval(token)
+                if kv_cache is not None:
+                    res = kv_cache.after_eval(session)
+                    if res is not None:
+                        kv_reports.append(res)
+            for res in kv_reports:
+                stats.cache.append(save_line(res))
+                yield GenerationEvent("cache", stats.cache[-1], report=res)
+            kv_reports.clear()
     except KeyboardInterrupt:
         finish = "cancelled"
+    finally:
+        if spec is not None:  # whatever ended the loop: the session keeps only the fed tokens
+            spec.finish()
+            stats.drafted_tokens, stats.accepted_tokens = spec.stats.drafted, spec.stats.accepted
+            stats.verify_steps = spec.stats.verifies
     stats.decode_s = time.perf_counter() - t_decode
     stats.generation_tokens = len(generated)
     experts2 = expert_counters(model)

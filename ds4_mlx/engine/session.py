@@ -37,6 +37,11 @@ Metal; ``DS4_MLX_RESUME_PREFILL_MIN`` overrides the default, like ds4's
 ``DS4_METAL_RESUME_PREFILL_MIN``). A one-token step *is* a one-token chunk here, so below the
 crossover the two paths are the same computation; the value matters for speed only.
 
+Speculative decoding (``engine/speculative.py``): ``verify(tokens)`` feeds a drafted chunk and keeps
+the state before it, ``commit(n)`` keeps its first n tokens (``ModelCache.rollback``: exact, no
+recomputation). In between the session refuses snapshots, payloads and feeds, so no saved state ever
+holds a draft token.
+
 Across ranks (``distributed="pipeline"``): snapshots, checkpoints and several sessions work as in
 one process (each rank keeps its part of every state rank 0 still holds, ``model.distributed``),
 and a payload gathers every rank's layers, so its file is the one a single process writes.
@@ -197,6 +202,7 @@ class Session:
 
     def sync(self, tokens: Sequence[int], *, allow_rebuild: bool = True) -> SyncStats:
         """Bring the live state to exactly ``tokens`` (0 < len < ctx); see the module docstring."""
+        self._no_pending()
         target = self._check_tokens(tokens)
         if not target:
             raise InferenceError("sync needs at least one token")
@@ -207,6 +213,7 @@ class Session:
 
     def append(self, tokens: Sequence[int]) -> SyncStats:
         """Extend the live history by ``tokens`` (decode or aligned prefill, as in ``sync``)."""
+        self._no_pending()
         suffix = self._check_tokens(tokens)
         if self.pos + len(suffix) > self.ctx:
             raise InferenceError(f"context overflow: {self.pos} + {len(suffix)} tokens > ctx {self.ctx}")
@@ -228,6 +235,7 @@ class Session:
     def rewind(self, pos: int, *, allow_rebuild: bool = True) -> SyncStats:
         """Go back to the exact state after the first ``pos`` live tokens (see the module docstring
         for the cost). ``pos == 0`` empties the session."""
+        self._no_pending()
         if not 0 <= pos <= self.pos:
             raise InferenceError(f"cannot rewind to {pos}: the session holds {self.pos} tokens")
         if pos == self.pos:
@@ -290,6 +298,35 @@ class Session:
             if not 0 <= t < n_vocab:
                 raise InferenceError(f"token id {t} at index {i} is outside the vocabulary 0..{n_vocab - 1}")
         return out
+
+    # -- speculative verify ----------------------------------------------------------------------------
+
+    def verify(self, tokens: Sequence[int]) -> tuple[mx.array, mx.array]:
+        """Feed ``tokens`` (1 .. n_swa of them) as one speculative verify chunk: returns the logits of
+        every position [L, n_vocab] and the target's last-block rows [L, n_hc, n_embd] (evaluated).
+        The session then holds all L tokens until ``commit(n)`` keeps the first n; until then it
+        refuses snapshots, payloads and feeds, so no saved state ever holds a draft
+        (``engine/speculative.py`` drives this)."""
+        toks = self._check_tokens(tokens)
+        if self.pos + len(toks) > self.ctx:
+            raise InferenceError(f"context overflow: {self.pos} + {len(toks)} tokens > ctx {self.ctx}")
+        return self._rt.verify(toks)
+
+    def commit(self, n: int) -> None:
+        """Keep the first ``n`` tokens of the pending verify; the state is then exactly the one plain
+        decoding of those tokens has (bit for bit in ds4-cpu numerics), with no recomputation. An
+        automatic checkpoint is taken when the position lands on a chunk boundary, as a feed does."""
+        self._rt.commit(n)
+        if self.auto_checkpoints and self.pos % self.chunk == 0:
+            _push(self._auto, self._capture(), self.auto_checkpoints)
+
+    @property
+    def verify_pending(self) -> bool:
+        return self._rt.pending
+
+    def _no_pending(self) -> None:
+        if self._rt.pending:
+            raise InferenceError("a speculative verify is pending: commit it first")
 
     # -- snapshots -------------------------------------------------------------------------------------
 

@@ -32,6 +32,8 @@ MAX_CTX = 1 << 20
 # larger value instead of clamping it silently.
 MAX_TOP_K = 1024
 MAX_SEED = (1 << 64) - 1
+# engine/speculative.py's MAX_DRAFT_K (not imported: building the parsers loads no mlx)
+MAX_DRAFT_K = 16
 
 _GIVEN = "_ds4_given"
 
@@ -213,6 +215,23 @@ def model_options(args: argparse.Namespace, ctx: int | None = None) -> dict:
         if getattr(args, name, None) is not None:
             opts[name] = getattr(args, name)
     return opts
+
+
+def add_draft_options(p: argparse.ArgumentParser) -> None:
+    """``--draft FILE`` (``--mtp FILE``, ds4's spelling) and ``--draft-k N``: speculative decoding
+    (``engine/speculative.py``) for generate, chat and serve. ``draft_options(args)`` turns them into
+    ``Engine.open`` keywords."""
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--draft", "--mtp", dest="draft", metavar="FILE", default=None,
+                   help="draft model (ds4's MTP GGUF): the target verifies its guesses in batches; the output "
+                        "is the one plain decoding gives")
+    g.add_argument("--draft-k", action=ranged(int, 1, MAX_DRAFT_K, why="the most drafts one verify step checks"),
+                   default=None, metavar="N", help="most draft tokens per verify step (default 4; adaptive below it)")
+
+
+def draft_options(args: argparse.Namespace) -> dict:
+    """The ``Engine.open`` keywords of ``add_draft_options``'s options."""
+    return {"draft": getattr(args, "draft", None), "draft_k": getattr(args, "draft_k", None)}
 
 
 def add_system_option(p: argparse.ArgumentParser) -> None:

@@ -38,7 +38,8 @@ from ds4_mlx.errors import Ds4Error, MemoryPlanError
 from ds4_mlx.frontends.cmd_demo import default_cache_dir  # one cache folder for demo model, chats, history
 from ds4_mlx.frontends.args import (MAX_CTX, SEED, TOKENS, add_ctx_option, add_disk_cache_options,
                                     add_model_options, add_sampling_options, add_system_option,
-                                    add_think_options, check_ctx, model_options)
+                                    add_think_options, check_ctx, model_options, add_draft_options,
+                                    draft_options)
 
 # A cap, not a target: Ctrl-C ends an answer early, and a turn never runs past the context
 # (ds4's 50000 is the same idea; generate's 256 is too short for a thinking answer).
@@ -86,6 +87,7 @@ def register(sub) -> None:
                        description="Chat with the model; type /help for commands. With stdin piped, "
                                    "each line is a message and each answer one stdout block.")
     add_model_options(p, distributed=True)
+    add_draft_options(p)
     add_system_option(p)
     add_think_options(p)
     add_sampling_options(p)
@@ -103,7 +105,7 @@ def register(sub) -> None:
 def run(args) -> int:
     from ds4_mlx.engine.engine import Engine
 
-    engine = Engine.open(args.model, **model_options(args))
+    engine = Engine.open(args.model, **model_options(args), **draft_options(args))
     if args.ctx > engine.context_length:
         raise ChatCommandError(f"--ctx {args.ctx} is larger than the model's context length {engine.context_length}")
     print(f"ds4-mlx chat: {args.model}: {engine.effort_rules.banner()}", file=sys.stderr, flush=True)

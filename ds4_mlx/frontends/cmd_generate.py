@@ -32,7 +32,8 @@ from pathlib import Path
 from ds4_mlx.chat.template import DEFAULT_CTX
 from ds4_mlx.frontends.args import (SEED, TOKENS, UsageError, add_ctx_option, add_disk_cache_options,
                                     add_model_options, add_sampling_options, add_system_option, add_think_options,
-                                    model_options, ranged, read_text_file, was_given)
+                                    model_options, ranged, read_text_file, was_given, add_draft_options,
+                                    draft_options)
 
 # mlx-lm's default, and the library's generate(max_tokens=...): the CLI and the API agree. ds4's
 # 50000 suits long reasoning but makes a forgotten -n run for hours on a slow machine.
@@ -45,6 +46,7 @@ def register(sub) -> None:
     p = sub.add_parser("generate", help="generate text from a prompt",
                        description="Generate a continuation of a prompt (ds4 CLI semantics).")
     add_model_options(p, distributed=True)
+    add_draft_options(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("-p", "--prompt", help="prompt text")
     src.add_argument("--prompt-file", metavar="FILE", help="read the prompt from FILE (UTF-8); - reads stdin")
@@ -139,7 +141,7 @@ def _run(args, text: str, cancel) -> int:
     from ds4_mlx.engine.generate import stream_generate
     from ds4_mlx.frontends.cli import EXIT_INTERRUPTED
 
-    engine = Engine.open(args.model, **model_options(args))
+    engine = Engine.open(args.model, **model_options(args), **draft_options(args))
     if cancel.is_set():  # Ctrl-C while the model was loading: nothing generated, no stats to print
         print("ds4-mlx: interrupted while loading the model", file=sys.stderr)
         return EXIT_INTERRUPTED

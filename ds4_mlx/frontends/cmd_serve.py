@@ -27,13 +27,15 @@ import sys
 
 from ds4_mlx.chat.template import DEFAULT_CTX
 from ds4_mlx.errors import Ds4Error
-from ds4_mlx.frontends.args import CTX, add_disk_cache_options, add_model_options, ranged
+from ds4_mlx.frontends.args import (CTX, add_disk_cache_options, add_draft_options, add_model_options,
+                                    draft_options, ranged)
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("serve", help="run the OpenAI/Anthropic-compatible API server",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_options(p, distributed=True)
+    add_draft_options(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", action=ranged(int, 1, 65535, why="a TCP port"), default=8000, metavar="N",
                    help="port (default 8000)")
@@ -224,7 +226,8 @@ def server_parts(args: argparse.Namespace, *, logits_hook=None):
                             kv_disk_dir=args.kv_disk_dir,
                             kv_disk_space_mb=args.kv_disk_space_mb, sessions=args.sessions,
                             sessions_mb=args.sessions_mb,
-                            max_queue=args.max_queue, model_id=args.model_id, logits_hook=logits_hook)
+                            max_queue=args.max_queue, model_id=args.model_id, logits_hook=logits_hook,
+                            **draft_options(args))
     config = ServerConfig(ctx=args.ctx, model_id=args.model_id, api_key=args.api_key, cors=tuple(args.cors),
                           allowed_hosts=allowed_hosts(args.host, args.allow_host),
                           max_body_bytes=int(args.max_body_mb * 1024 * 1024),

@@ -35,6 +35,23 @@ the buffer it writes (the snapshot still holds the old one).
 A module call sees *where* it runs through the ``at`` attribute bound for the call: ``ChunkAt``
 (host-known positions p0..p0+L-1, exact shapes: prefill chunks, ds4-cpu and uncompiled decode) or
 ``StepAt`` (one token at a traced position with fixed shapes: the compiled decode step).
+
+Rollback (speculative decoding, ``engine/speculative.py``). A verify chunk of L <= n_swa tokens runs
+with ``ChunkAt(record=True)`` on a cache whose state before it is kept as ``mark = cache.mark()`` (a
+copy: free). ``cache.rollback(mark, n_keep)`` then makes the cache exactly the one after its first
+n_keep - mark.n_tokens tokens, without recomputing anything:
+
+    raw ring     the mark's ring with the slots of the kept positions taken from the chunk's ring
+                 (the rejected rows overwrote older rows still inside the window: the mark has them)
+    lane rows    the mark's buffer with the rows of windows the kept tokens closed (each compressed
+                 row depends only on its window's tokens, so the chunk's rows for them are the rows
+                 plain decoding emits)
+    frontier     rebuilt from the mark's frontier and the kept tokens' projections, which a
+                 recording chunk keeps (``CompressorLane.inputs``), by the very function a chunk of
+                 those tokens runs (``_frontier_after``: copies, no arithmetic)
+
+Every array of ``state`` is then bit for bit the one of a cache that fed only the kept tokens
+(``tests/test_speculative.py`` checks it across ratio-4 / ratio-128 windows and the ring edge).
 """
 
 from __future__ import annotations
@@ -129,9 +146,11 @@ class ChunkAt:
 
     fixed = False
 
-    def __init__(self, p0: int, L: int, ops):
+    def __init__(self, p0: int, L: int, ops, *, record: bool = False):
         self.p0, self.L, self.ops = p0, L, ops
         self.positions = p0 + np.arange(L)
+        # a verify chunk: the compressor lanes keep their inputs so the cache can roll back into it
+        self.record = record
 
     def tables(self, rope) -> tuple[mx.array, mx.array]:
         return self.ops.rope_tables(rope, self.positions)
@@ -186,6 +205,34 @@ def _overlap_slots(prv: mx.array, cur: mx.array, D: int) -> mx.array:
     return mx.stack([prv[..., :D], cur[..., D:]], axis=2).reshape(prv.shape[0], 8, D)
 
 
+def _frontier_after(kst: mx.array, gst: mx.array, k: mx.array, g: mx.array, p0: int, R: int):
+    """The canonical frontier after a chunk of L = len(k) tokens at p0 from the frontier before it:
+    (kst, gst, seq_k, seq_g, n_emit, first); seq = the old frontier's rows in position order ++ the
+    chunk's projections, n_emit = windows the chunk completes, first = seq index of the first token
+    of the first window still open before the chunk. Copies only (no arithmetic)."""
+    W = k.shape[1]
+    L = k.shape[0]
+    r0 = p0 % R
+    n_front = R + r0 if R == 4 else r0  # frontier rows in position order
+    seq_k = mx.concatenate([kst[:n_front], k], axis=0)
+    seq_g = mx.concatenate([gst[:n_front], g], axis=0)
+    n_emit = (r0 + L) // R
+    first = n_front - r0
+
+    if R == 4:
+        # Frontier: the last complete window (or the untouched previous one) + the partial one.
+        new_k = [seq_k[4 * n_emit: 4 * n_emit + 4], seq_k[4 + 4 * n_emit:]]
+        new_g = [seq_g[4 * n_emit: 4 * n_emit + 4], seq_g[4 + 4 * n_emit:]]
+        n_rows_state = 8
+    else:
+        new_k, new_g = [seq_k[first + R * n_emit:]], [seq_g[first + R * n_emit:]]
+        n_rows_state = R
+    pad = n_rows_state - sum(a.shape[0] for a in new_k)
+    kst = mx.concatenate(new_k + [mx.zeros((pad, W), dtype=mx.float32)], axis=0)
+    gst = mx.concatenate(new_g + [mx.full((pad, W), EMPTY_SCORE, dtype=mx.float32)], axis=0)
+    return kst, gst, seq_k, seq_g, n_emit, first
+
+
 class CompressorLane:
     """A compressor's row buffer and canonical frontier (see the module docstring)."""
 
@@ -193,6 +240,9 @@ class CompressorLane:
         self.ratio, self.dim, self.coff = ratio, dim, coff
         self.rows, self.kst, self.gst = rows, kst, gst
         self.at: ChunkAt | StepAt | None = None
+        # (p0, k, g) of the last call when it was a recording chunk (``ChunkAt.record``), else None:
+        # what ``rollback`` rebuilds the frontier from
+        self.inputs: tuple[int, mx.array, mx.array] | None = None
 
     @classmethod
     def empty(cls, ratio: int, dim: int, coff: int, capacity: int) -> "CompressorLane":
@@ -201,7 +251,9 @@ class CompressorLane:
                    mx.zeros(kst, dtype=mx.float32), mx.full(gst, EMPTY_SCORE, dtype=mx.float32))
 
     def copy(self) -> "CompressorLane":
-        return CompressorLane(self.ratio, self.dim, self.coff, self.rows, self.kst, self.gst)
+        out = CompressorLane(self.ratio, self.dim, self.coff, self.rows, self.kst, self.gst)
+        out.inputs = self.inputs
+        return out
 
     def arrays(self) -> list[mx.array]:
         return [self.rows, self.kst, self.gst]
@@ -216,6 +268,24 @@ class CompressorLane:
         extra = capacity // self.ratio - self.rows.shape[0]
         if extra > 0:
             self.rows = mx.concatenate([self.rows, mx.zeros((extra, self.dim), dtype=mx.float32)], axis=0)
+
+    def rollback(self, mark: "CompressorLane", n_keep: int, capacity: int) -> None:
+        """Become the lane after the first ``n_keep`` tokens of the recording chunk that followed
+        ``mark`` (module docstring: Rollback)."""
+        p0, k, g = self.inputs
+        R, L = self.ratio, n_keep - p0
+        if L:
+            self.kst, self.gst = _frontier_after(mark.kst, mark.gst, k[:L], g[:L], p0, R)[:2]
+        else:
+            self.kst, self.gst = mark.kst, mark.gst
+        rows = mark.rows
+        extra = capacity // R - rows.shape[0]
+        if extra > 0:
+            rows = mx.concatenate([rows, mx.zeros((extra, self.dim), dtype=mx.float32)], axis=0)
+        a, b = p0 // R, n_keep // R
+        if b > a:  # rows of the windows the kept tokens closed
+            rows = mx.slice_update(rows, self.rows[a:b], mx.array([a]), axes=(0,))
+        self.rows, self.inputs = rows, None
 
     # -- the layout-dependent half of ``Compressor.__call__`` -----------------------------------------
 
@@ -235,25 +305,8 @@ class CompressorLane:
     def _chunk_windows(self, k, g):
         R, D, W = self.ratio, self.dim, self.coff * self.dim
         p0, L = self.at.p0, self.at.L
-        r0 = p0 % R
-        n_front = R + r0 if R == 4 else r0  # frontier rows in position order
-        seq_k = mx.concatenate([self.kst[:n_front], k], axis=0)
-        seq_g = mx.concatenate([self.gst[:n_front], g], axis=0)
-        n_emit = (r0 + L) // R
-        first = n_front - r0  # index in seq of the first token of the first open window
-
-        if R == 4:
-            # Frontier: the last complete window (or the untouched previous one) + the partial one.
-            new_k = [seq_k[4 * n_emit: 4 * n_emit + 4], seq_k[4 + 4 * n_emit:]]
-            new_g = [seq_g[4 * n_emit: 4 * n_emit + 4], seq_g[4 + 4 * n_emit:]]
-            n_rows_state = 8
-        else:
-            new_k, new_g = [seq_k[first + R * n_emit:]], [seq_g[first + R * n_emit:]]
-            n_rows_state = R
-        pad = n_rows_state - sum(a.shape[0] for a in new_k)
-        self.kst = mx.concatenate(new_k + [mx.zeros((pad, W), dtype=mx.float32)], axis=0)
-        self.gst = mx.concatenate(new_g + [mx.full((pad, W), EMPTY_SCORE, dtype=mx.float32)], axis=0)
-
+        self.inputs = (p0, k, g) if self.at.record else None
+        self.kst, self.gst, seq_k, seq_g, n_emit, first = _frontier_after(self.kst, self.gst, k, g, p0, R)
         if n_emit == 0:
             return None
         if R == 4:
@@ -269,6 +322,7 @@ class CompressorLane:
 
     def _step_windows(self, k, g):
         R, D, W = self.ratio, self.dim, self.coff * self.dim
+        self.inputs = None
         r = self.at.pos % R
         row = (r + 4 if R == 4 else r).reshape(1)
         kst = mx.slice_update(self.kst, k, row, axes=(0,))
@@ -359,6 +413,18 @@ class LayerCache:
     def grow(self, capacity: int) -> None:
         for lane in self.lanes:
             lane.grow(capacity)
+
+    def rollback(self, mark: "LayerCache", n_keep: int, capacity: int) -> None:
+        """Become the layer's cache after the first ``n_keep`` tokens of the recording chunk that
+        followed ``mark`` (module docstring: Rollback)."""
+        p0, m = mark.offset, n_keep - mark.offset
+        ring = mark.ring
+        if m:  # the kept positions' raw rows, into the mark's ring (its other slots are plain decoding's)
+            ring = self._write_ring(ring, mx.take(self.ring, self._window_slots(p0, m), axis=0), p0)
+        self.ring = ring
+        for lane, old in zip(self.lanes, mark.lanes):
+            lane.rollback(old, n_keep, capacity)
+        self.offset = n_keep
 
     @property
     def nbytes(self) -> int:
@@ -485,6 +551,30 @@ class ModelCache:
     def copy(self) -> "ModelCache":
         """An independent snapshot (cheap: see ``LayerCache.copy``)."""
         return ModelCache([None if lc is None else lc.copy() for lc in self.layers], self.capacity, self.tag)
+
+    def mark(self) -> "ModelCache":
+        """The state to roll back to (``rollback``): a copy, which costs nothing (module docstring)."""
+        return self.copy()
+
+    def rollback(self, mark: "ModelCache", n_keep: int) -> None:
+        """Become exactly the cache after ``n_keep`` tokens, mark.n_tokens <= n_keep <= n_tokens,
+        where the last call was one recording chunk (``ChunkAt(record=True)``) of at most n_swa
+        tokens fed on top of ``mark`` (module docstring: Rollback). In place; ``mark`` is unchanged."""
+        p0, n = mark.n_tokens, self.n_tokens
+        if not p0 <= n_keep <= n:
+            raise InferenceError(f"rollback to {n_keep} tokens: the cache holds {n}, its mark {p0}")
+        own, old = self.own, mark.own
+        if len(own) != len(old):
+            raise InferenceError("rollback: the mark is a cache of other layers")
+        for lc in own:
+            if n - p0 > lc.n_swa or any(lane.inputs is None or lane.inputs[0] != p0 for lane in lc.lanes):
+                raise InferenceError(f"rollback: the last call was not one recording chunk of at most "
+                                     f"{lc.n_swa} tokens after the mark ({p0} -> {n} tokens)")
+        cap = max(mark.capacity, capacity_for(max(n_keep - 1, 0)))
+        for lc, m in zip(own, old):
+            lc.rollback(m, n_keep, cap)
+            lc.bind(None)
+        self.capacity = cap
 
     def arrays(self) -> list[mx.array]:
         """Every live buffer (for ``mx.eval`` and memory accounting)."""

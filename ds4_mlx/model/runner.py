@@ -59,6 +59,8 @@ class Runner:
         # feed whose logits nobody read is evaluated before the next one (``_settle``), so a run of
         # unread one-token feeds never grows one long lazy graph.
         self._lazy = False
+        # a speculative verify not yet committed: (the cache before it, tokens before it, its logits)
+        self._pending: tuple[ModelCache, int, mx.array] | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -80,6 +82,8 @@ class Runner:
         toks = np.asarray(list(tokens) if not isinstance(tokens, np.ndarray) else tokens, dtype=np.int64)
         if toks.size == 0:
             return
+        if self._pending is not None:
+            raise InferenceError("a verify is pending: commit it first")
         self._check(toks)
         self._settle()
         if toks.size == 1 and self.compiled:
@@ -97,6 +101,44 @@ class Runner:
         self.tokens.extend(int(t) for t in toks)
         if toks.size >= TRIM_AFTER_TOKENS:
             allocator.trim_heap()
+
+    @property
+    def pending(self) -> bool:
+        """A verify chunk is held that ``commit`` has not cut back yet."""
+        return self._pending is not None
+
+    def verify(self, tokens: Sequence[int]) -> tuple[mx.array, mx.array]:
+        """Feed ``tokens`` (at most n_swa) as one speculative verify chunk (``Model.forward_verify``),
+        keeping the state before it: returns (logits [L, n_vocab], H [L, n_hc, n_embd]), both
+        evaluated. The runner holds all L tokens until ``commit(n)``."""
+        toks = np.asarray(list(tokens), dtype=np.int64)
+        if self._pending is not None:
+            raise InferenceError("a verify is pending: commit it first")
+        if toks.size == 0 or toks.size > self.model.config.n_swa:
+            raise InferenceError(f"a verify chunk holds 1..{self.model.config.n_swa} tokens, got {toks.size}")
+        self._check(toks)
+        self._settle()
+        mark, n0 = self.state.mark(), len(self.tokens)
+        logits, H, self.state = self.model.forward_verify(toks, self.state)
+        mx.eval(logits, H)
+        self._pending = (mark, n0, logits)
+        self.tokens.extend(int(t) for t in toks)
+        self._logits = logits[-1]
+        return logits, H
+
+    def commit(self, n: int) -> None:
+        """Keep the first ``n`` (1..L) tokens of the pending verify: the state becomes exactly the
+        one after them (``ModelCache.rollback``, no recomputation), the logits those of token n."""
+        if self._pending is None:
+            raise InferenceError("commit without a pending verify")
+        mark, n0, logits = self._pending
+        L = len(self.tokens) - n0
+        if not 1 <= n <= L:
+            raise InferenceError(f"commit keeps 1..{L} tokens of the verify, got {n}")
+        self.state.rollback(mark, n0 + n)
+        del self.tokens[n0 + n:]
+        self._logits = logits[n - 1]
+        self._pending = None
 
     def _decode(self, toks: np.ndarray) -> None:
         logits = self.model.step(int(toks[0]), self.state, evaluate=False)
@@ -127,6 +169,8 @@ class Runner:
         return self.state.nbytes
 
     def snapshot(self) -> tuple[ModelCache, list[int], mx.array | None]:
+        if self._pending is not None:  # a snapshot never holds draft tokens
+            raise InferenceError("a verify is pending: commit it before taking a snapshot")
         self._settle()
         return self.state.copy(), list(self.tokens), self._logits
 
@@ -134,3 +178,4 @@ class Runner:
         state, tokens, logits = snap
         self.state, self.tokens, self._logits = state.copy(), list(tokens), logits
         self._lazy = False  # a snapshot is taken settled
+        self._pending = None  # a verify in flight is dropped with the state it was on

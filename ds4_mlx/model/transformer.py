@@ -9,6 +9,8 @@
 layer 1, …) from a ``ModelCache`` and returns the cache after them (a copy: the caller's cache is
 never changed). ``Model.step`` feeds one token through the compiled decode step
 (``compiled_decode``: ``mx.compile`` over these same ``Block`` methods), updating the cache in place.
+``Model.forward_verify`` is the chunk path for a speculative verify: every position's logits and H
+after the last block (what an MTP drafter reads), and a cache that can roll back into the chunk.
 """
 
 from __future__ import annotations
@@ -174,16 +176,28 @@ class Model:
         if self.source is not None:
             self.source.check_intact()  # weights are about to be read: a truncated file is an error, not SIGBUS
         with self.ops.stream():
-            return self._forward_chunk(tokens, cache, want_logits)
+            return self._forward_chunk(tokens, cache, want_logits)[:2]
 
-    def _forward_chunk(self, tokens: np.ndarray, cache: ModelCache,
-                       want_logits: bool) -> tuple[mx.array | None, ModelCache]:
+    def forward_verify(self, tokens: np.ndarray, cache: ModelCache) -> tuple[mx.array, mx.array, ModelCache]:
+        """A speculative verify chunk (at most n_swa tokens at cache.n_tokens..): (logits of every
+        position [T, n_vocab], H after the last block [T, n_hc, n_embd] — the rows before the output
+        HC mix, evaluated —, the cache after them, which ``ModelCache.rollback`` can cut back to any
+        prefix of the chunk). The same computation as ``forward_chunk``; ``cache`` is left as it was.
+        A single-process model only."""
+        if self.source is not None:
+            self.source.check_intact()
+        with self.ops.stream():
+            logits, out, H = self._forward_chunk(tokens, cache, "all", record=True)
+        return logits, H, out
+
+    def _forward_chunk(self, tokens: np.ndarray, cache: ModelCache, want_logits: bool | str,
+                       record: bool = False) -> tuple[mx.array | None, ModelCache, mx.array]:
         tokens = np.asarray(tokens, dtype=np.int64)
         p0 = cache.n_tokens
         cache = cache.copy()  # on an error the caller keeps its cache untouched
         H = self.embed(tokens)
         # the embedding's finiteness rides with the first layer's evaluation
-        H = self.run_blocks(H, tokens, cache, [("the token embedding", all_finite(H))])
+        H = self.run_blocks(H, tokens, cache, [("the token embedding", all_finite(H))], record=record)
         logits = self._chunk_logits(H, tokens, p0, cache, want_logits)
         if logits is not None:
             ok = all_finite(logits)
@@ -191,7 +205,7 @@ class Model:
             raise_nonfinite([("the output head", ok)], f"positions {p0}..{p0 + len(tokens) - 1}", self.source)
         if len(tokens) > 1:
             allocator.release_file_pages(self.embedding)  # the output matrix, on its first use
-        return logits, cache
+        return logits, cache, H
 
     def _chunk_logits(self, H: mx.array, tokens: np.ndarray, p0: int, cache: ModelCache,
                       want_logits: bool) -> mx.array | None:
@@ -203,13 +217,13 @@ class Model:
         return self.head(H[-1:])[0] if want_logits else None
 
     def run_blocks(self, H: mx.array, tokens: np.ndarray, cache: ModelCache,
-                   pending: list[tuple[str, mx.array]] | None = None) -> mx.array:
+                   pending: list[tuple[str, mx.array]] | None = None, *, record: bool = False) -> mx.array:
         """This model's blocks (all of them, or a pipeline rank's range) on a chunk H at positions
         ``cache.n_tokens``..; fills ``cache`` in place and advances it. ``pending``: earlier stages'
-        finiteness flags, checked with the first layer's."""
+        finiteness flags, checked with the first layer's. ``record``: a verify chunk (``ChunkAt``)."""
         p0 = cache.n_tokens
         cache.reserve(p0 + len(tokens) - 1)
-        at = ChunkAt(p0, len(tokens), self.ops)
+        at = ChunkAt(p0, len(tokens), self.ops, record=record)
         where = f"positions {p0}..{p0 + len(tokens) - 1}"
         # Each stage's finiteness is a scalar evaluated in the layer's own mx.eval, so the checks add
         # no synchronisation.

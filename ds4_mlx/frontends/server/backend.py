@@ -295,10 +295,15 @@ class EngineBackend(Backend):
                  model_id: str = "deepseek-v4-flash", replay=None,
                  logits_hook: Callable | None = None, distributed: str | None = None,
                  checkpoint: str | None = None, simulate_memory: float | None = None,
-                 experts_cache=None, experts_cache_policy: str | None = None) -> None:
+                 experts_cache=None, experts_cache_policy: str | None = None,
+                 draft=None, draft_k: int | None = None) -> None:
         self.model_path = model_path
         self.simulate_memory = simulate_memory
         self.experts_cache, self.experts_cache_policy = experts_cache, experts_cache_policy
+        # speculative decoding (``--draft`` / ``--draft-k``): the drafter lives with the model on the
+        # worker thread; each request's generation resets and restarts it on its own session, and the
+        # worker runs one request at a time, so no other session's state is ever in flight meanwhile
+        self.draft, self.draft_k = draft, draft_k
         self.checkpoint = checkpoint
         self.distributed = distributed
         self.numerics = numerics
@@ -330,7 +335,8 @@ class EngineBackend(Backend):
         model = ds4_mlx.load(self.model_path, numerics=self.numerics, experts=self.experts,
                              distributed=self.distributed, checkpoint=self.checkpoint, ctx=self.ctx,
                              simulate_memory=self.simulate_memory, experts_cache=self.experts_cache,
-                             experts_cache_policy=self.experts_cache_policy)
+                             experts_cache_policy=self.experts_cache_policy, draft=self.draft,
+                             draft_k=self.draft_k)
         if self.ctx > model.context_length:
             raise Ds4Error(f"--ctx {self.ctx} is larger than the model's context length {model.context_length}")
         disk = None
@@ -485,6 +491,7 @@ class EngineBackend(Backend):
                            reasoning_tokens=0 if req.raw_output else st.reasoning_tokens,
                            expert_hits=st.expert_hits or 0, expert_misses=st.expert_misses or 0,
                            expert_bytes_read=st.expert_bytes_read or 0,
-                           expert_prefill_bytes_read=st.expert_prefill_bytes_read or 0)
+                           expert_prefill_bytes_read=st.expert_prefill_bytes_read or 0,
+                           drafted_tokens=st.drafted_tokens, accepted_tokens=st.accepted_tokens)
                 return
         yield Done("error", n_out, error="engine ended without a done event")

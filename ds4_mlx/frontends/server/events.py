@@ -105,6 +105,8 @@ class Done:
     expert_misses: int = 0
     expert_bytes_read: int = 0
     expert_prefill_bytes_read: int = 0
+    drafted_tokens: int = 0         # speculative decoding: draft tokens verified
+    accepted_tokens: int = 0        # of them, those the target agreed with
 
 
 Event = Union[Prefill, Started, Reasoning, Content, ToolStart, ToolArgs, ToolEnd, Done]

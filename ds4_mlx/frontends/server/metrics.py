@@ -27,6 +27,8 @@ class Metrics:
         self.expert_hits = 0
         self.expert_misses = 0
         self.expert_bytes: Counter = Counter()  # phase -> bytes
+        self.drafted_tokens = 0   # speculative decoding
+        self.accepted_tokens = 0
 
     def request(self, endpoint: str, status: int) -> None:
         with self._lock:
@@ -34,7 +36,7 @@ class Metrics:
 
     def generation(self, *, finish: str, prompt: int, cached: int, completion: int, source: str,
                    prefill_s: float, decode_s: float, expert_hits: int = 0, expert_misses: int = 0,
-                   expert_bytes: tuple[int, int] = (0, 0)) -> None:
+                   expert_bytes: tuple[int, int] = (0, 0), drafted: int = 0, accepted: int = 0) -> None:
         with self._lock:
             self.expert_hits += expert_hits
             self.expert_misses += expert_misses
@@ -47,6 +49,8 @@ class Metrics:
             self.completion_tokens += completion
             self.prefill_seconds += prefill_s
             self.decode_seconds += decode_s
+            self.drafted_tokens += drafted
+            self.accepted_tokens += accepted
 
     def disconnect(self) -> None:
         with self._lock:
@@ -87,6 +91,10 @@ class Metrics:
                  "Decode accesses of a routed expert found in the bounded expert cache."),
                 ("ds4_expert_cache_misses_total", "counter", self.expert_misses,
                  "Decode accesses of a routed expert read from the model file."),
+                ("ds4_spec_drafted_total", "counter", self.drafted_tokens,
+                 "Speculative decoding: draft tokens the model verified."),
+                ("ds4_spec_accepted_total", "counter", self.accepted_tokens,
+                 "Speculative decoding: draft tokens the model's own choice agreed with."),
                 ("ds4_client_disconnects_total", "counter", self.disconnects,
                  "Requests cancelled because the client went away."),
                 ("ds4_queue_depth", "gauge", queue_depth, "Requests waiting for the worker."),

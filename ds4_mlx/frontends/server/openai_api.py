@@ -16,11 +16,15 @@ def finish_reason(finish: str) -> str:
 
 
 def usage(r: TurnResult) -> dict:
+    details = {"reasoning_tokens": r.reasoning_tokens}
+    if r.drafted_tokens:  # speculative decoding, under OpenAI's names for predicted-output tokens
+        details.update(accepted_prediction_tokens=r.accepted_tokens,
+                       rejected_prediction_tokens=r.drafted_tokens - r.accepted_tokens)
     return {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
             "total_tokens": r.prompt_tokens + r.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": r.cached_tokens,
                                       "cache_write_tokens": r.prompt_tokens - r.cached_tokens},
-            "completion_tokens_details": {"reasoning_tokens": r.reasoning_tokens}}
+            "completion_tokens_details": details}
 
 
 def sse(obj) -> str:

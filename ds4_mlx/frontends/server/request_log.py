@@ -35,6 +35,8 @@ def request_line(*, rid: str, endpoint: str, status: int, stream: bool | None = 
         parts += [f"prompt={r.prompt_tokens}", f"cached={r.cached_tokens}", f"source={r.cache_source}",
                   f"generated={r.completion_tokens}", f"reasoning={r.reasoning_tokens}",
                   f"finish={r.finish}", f"prefill={r.prefill_s:.2f}s", f"decode={r.decode_s:.2f}s"]
+        if r.drafted_tokens:
+            parts += [f"drafted={r.drafted_tokens}", f"accepted={r.accepted_tokens}"]
         if r.error:
             parts.append(f"error={_quote(r.error)}")
     elif result is not None:

@@ -50,6 +50,8 @@ class TurnResult:
     cache_source: str = "none"
     completion_tokens: int = 0
     reasoning_tokens: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
     finish: str = "stop"
@@ -169,6 +171,7 @@ class Turn:
         r.completion_tokens = ev.completion_tokens
         r.reasoning_tokens = min(ev.reasoning_tokens, ev.completion_tokens)
         r.prefill_s, r.decode_s = ev.prefill_seconds, ev.decode_seconds
+        r.drafted_tokens, r.accepted_tokens = ev.drafted_tokens, ev.accepted_tokens
         if r.reasoning and (r.content or r.calls):
             r.reasoning_closed = True
         if r.calls and ev.raw_dsml:
@@ -177,6 +180,7 @@ class Turn:
                                 completion=r.completion_tokens, source=r.cache_source,
                                 prefill_s=ev.prefill_seconds, decode_s=ev.decode_seconds,
                                 expert_hits=ev.expert_hits, expert_misses=ev.expert_misses,
-                                expert_bytes=(ev.expert_prefill_bytes_read, ev.expert_bytes_read))
+                                expert_bytes=(ev.expert_prefill_bytes_read, ev.expert_bytes_read),
+                                drafted=ev.drafted_tokens, accepted=ev.accepted_tokens)
         self.done = True
         self._queue.append(replace(ev, finish=finish, error=error))
