@@ -30,6 +30,11 @@ class LayoutError(Ds4Error):
     """The GGUF is readable but is not a DS4 Flash model: config or tensor layout mismatch."""
 
 
+class DrafterError(LayoutError):
+    """A speculative-decoding drafter GGUF (the preview's MTP head, 0731's DSpark file) that is not a
+    drafter, is damaged, or does not belong to the loaded model (another checkpoint, other dims)."""
+
+
 class QuantError(Ds4Error):
     """Bad arguments to a block (de)quantizer: unknown type, partial block, wrong byte count."""
 

@@ -1,0 +1,250 @@
+"""The speculative-decoding drafters (issue #25, drafter side): the generated MTP / DSpark files load and
+validate like the main file, the MTP drafter proposes deterministically, rolls back to the committed
+history exactly, and every file that does not belong to the target is refused in one line."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from ds4_mlx.engine.drafter import MTPDrafter, load_mtp_drafter
+from ds4_mlx.errors import Ds4Error, DrafterError, GGUFError, InferenceError
+from ds4_mlx.formats.drafter_layout import DrafterKind, drafter_kind, mtp_tensors
+from ds4_mlx.formats.gguf import GGUFFile
+from ds4_mlx.formats.gguf_writer import GGUFWriter
+from ds4_mlx.model.drafter_loader import open_drafter
+from ds4_mlx.model.loader import load
+from ds4_mlx.synth import preset_config, write_tiny_model
+from ds4_mlx.synth_drafter import mtp_plan, write_tiny_drafter
+
+# tests/small_model.py's dims (4 layers: dense, dense, ratio 4, ratio 128; a window of 8 raw rows)
+SMALL = dict(n_vocab=512, n_layer=4, n_embd=256, n_head=2, head_dim=192, n_out_group=1, q_lora=64, o_lora=32,
+             n_expert=4, n_expert_used=2, n_ff_exp=256, n_indexer_head=2, indexer_top_k=4, swa=8,
+             tokenizer=False)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("drafter")
+    cfg = preset_config("tiny", **SMALL, name="ds4-drafter-small")
+    out = {"preview": d / "small.gguf", "f0731": d / "small-0731.gguf", "mtp": d / "small-mtp.gguf",
+           "dspark": d / "small-dspark.gguf", "other_mtp": d / "other-mtp.gguf"}
+    write_tiny_model(cfg, out["preview"], compute_sha256=False)
+    write_tiny_model(preset_config("tiny", **SMALL, name="ds4-drafter-small 0731"), out["f0731"], compute_sha256=False)
+    write_tiny_drafter(cfg, out["mtp"], "mtp")
+    write_tiny_drafter(cfg, out["dspark"], "dspark")
+    write_tiny_drafter(preset_config("tiny", **{**SMALL, "n_expert": 8}), out["other_mtp"], "mtp")
+    return out
+
+
+@pytest.fixture(scope="module")
+def cpu_target(files):
+    return load(files["preview"], numerics="ds4-cpu")
+
+
+def target_rows(model, tokens) -> mx.array:
+    """The target's last-block HC-stream rows [T, n_hc, n_embd] for ``tokens`` from position 0: what
+    its forward computes before the output head (``Model.run_blocks``)."""
+    toks = np.asarray(tokens, dtype=np.int64)
+    return model.run_blocks(model.embed(toks), toks, model.empty_cache())
+
+
+PROMPT = [5, 77, 301, 12, 450, 9, 33, 101, 7, 260, 18, 499]  # longer than the 8-row window
+
+
+def one_line(exc: BaseException) -> str:
+    msg = str(exc)
+    assert msg and "\n" not in msg, msg
+    return msg
+
+
+# -- loading and proposing ---------------------------------------------------------------------
+
+
+def test_generated_files_have_the_real_layouts(files, cpu_target):
+    with GGUFFile(files["mtp"]) as f:
+        assert drafter_kind(f) is DrafterKind.MTP
+        assert list(f.tensors)[:3] == ["mtp.0.hc_head_base.weight", "mtp.0.hc_head_fn.weight",
+                                       "mtp.0.hc_head_scale.weight"]  # ds4's binding order
+        assert set(f.tensors) == {e.name for e in mtp_tensors(cpu_target.config)}
+    for kind in ("mtp", "dspark"):
+        f, k = open_drafter(files[kind], cpu_target, checkpoint="preview" if kind == "mtp" else "0731")
+        with f:
+            assert k.value == kind
+
+
+def test_mtp_proposes_and_propose_leaves_the_state(files, cpu_target):
+    d = load_mtp_drafter(files["mtp"], cpu_target)
+    rows = target_rows(cpu_target, PROMPT)
+    d.start(PROMPT, rows[-3:])
+    a = d.propose(4)
+    assert len(a) == 4 and all(0 <= t < 512 for t in a)
+    assert d.propose(4) == a and d.propose(2) == a[:2]  # proposing never moves the committed state
+    assert d.propose(0) == []
+
+
+def test_first_draft_is_the_recursion_from_the_last_anchored_step(files, cpu_target):
+    """Draft 0 comes from the step on (h_{n-1}, t_{n-1}); draft 1 from the step on its own output and
+    draft 0 at position n: the same tokens a drafter whose last position is pending proposes."""
+    d = load_mtp_drafter(files["mtp"], cpu_target)
+    rows = target_rows(cpu_target, PROMPT)
+    d.start(PROMPT, rows[-4:])
+    drafts = d.propose(3)
+    e = load_mtp_drafter(files["mtp"], cpu_target)
+    e.start(PROMPT, rows[-4:])
+    e.accept([drafts[0]], None)  # committed without a row: pending, run recursively
+    assert e.propose(2) == drafts[1:]
+
+
+def test_ds4_cpu_proposals_are_deterministic(files):
+    props = []
+    for _ in range(2):
+        model = load(files["preview"], numerics="ds4-cpu")
+        d = load_mtp_drafter(files["mtp"], model)
+        d.start(PROMPT, target_rows(model, PROMPT)[-2:])
+        props.append((d.propose(5), np.asarray(d.logits).tobytes(), np.asarray(d.window.rows).tobytes()))
+    assert props[0] == props[1]
+
+
+def test_default_numerics_propose(files):
+    model = load(files["preview"])
+    d = load_mtp_drafter(files["mtp"], model)
+    d.start(PROMPT, target_rows(model, PROMPT)[-2:])
+    assert len(d.propose(3)) == 3
+
+
+# -- rollback -----------------------------------------------------------------------------------
+
+
+def _state(d: MTPDrafter):
+    return (list(d.tokens), d.anchored, d.window.end, np.asarray(d.window.rows).tobytes(),
+            np.asarray(d.state_hc).tobytes(), np.asarray(d.logits).tobytes())
+
+
+@pytest.mark.parametrize("n_rows", [2, 10])  # 10 > the window: the anchored chunk restarts it
+def test_rollback_equals_a_fresh_drafter(files, cpu_target, n_rows):
+    """propose k, accept j < k drafts + a correction token: the drafter's state and its next proposal
+    are bit for bit those of a fresh drafter given the same committed history (ds4-cpu numerics)."""
+    n = len(PROMPT)
+    d = load_mtp_drafter(files["mtp"], cpu_target)
+    d.start(PROMPT, target_rows(cpu_target, PROMPT)[-n_rows:])
+    drafts = d.propose(4)
+    bonus = (drafts[2] + 1) % 512  # the target rejected draft 2
+    committed = PROMPT + drafts[:2] + [bonus]
+    rows = target_rows(cpu_target, committed)  # the verifier's rows of the accepted drafts
+    d.accept(drafts[:2] + [bonus], rows[n:n + 2])
+    assert d.n_pending == 1
+    again = d.propose(3)
+
+    fresh = load_mtp_drafter(files["mtp"], cpu_target)
+    fresh.start(committed[:-1], rows[n - n_rows: n + 2])
+    fresh.accept([bonus], None)
+    assert fresh.propose(3) == again
+    assert _state(fresh) == _state(d)
+
+    # ds4's cycle: the target feeds the correction token, its row anchors it
+    d.accept([], rows[n + 2:])
+    fresh2 = load_mtp_drafter(files["mtp"], cpu_target)
+    fresh2.start(committed, rows[n - n_rows: n + 3])
+    assert d.n_pending == 0 and fresh2.propose(4) == d.propose(4)
+    assert _state(fresh2) == _state(d)
+
+
+def test_hidden_rows_are_checked(files, cpu_target):
+    d = load_mtp_drafter(files["mtp"], cpu_target)
+    rows = target_rows(cpu_target, PROMPT)
+    with pytest.raises(InferenceError):
+        d.propose(1)  # no context yet
+    with pytest.raises(InferenceError, match="hidden rows"):
+        d.start(PROMPT, None)
+    with pytest.raises(InferenceError, match="shape"):
+        d.start(PROMPT, rows[:, 0])
+    with pytest.raises(InferenceError, match="need 1..n"):
+        d.start(PROMPT[:2], rows[:3])
+    with pytest.raises(InferenceError, match="vocabulary"):
+        d.start([1, 9999], rows[:2])
+    d.start(PROMPT, rows[-1:])
+    with pytest.raises(InferenceError, match="lack one"):
+        d.accept([3], rows[:2])  # one pending position, two rows
+    assert d.tokens == PROMPT  # a refused accept changes nothing
+
+
+# -- refusals ----------------------------------------------------------------------------------
+
+
+def test_preview_mtp_refused_for_a_0731_target(files):
+    target = load(files["f0731"], numerics="ds4-cpu")
+    with pytest.raises(DrafterError) as e:
+        load_mtp_drafter(files["mtp"], target)
+    assert "preview" in one_line(e.value) and "ds4f-dspark" in str(e.value)
+
+
+def test_dspark_refused_for_a_preview_target(files, cpu_target):
+    with pytest.raises(DrafterError) as e:
+        load_mtp_drafter(files["dspark"], cpu_target)
+    assert "0731" in one_line(e.value) and "preview-mtp" in str(e.value)
+
+
+def test_dspark_validated_but_not_run(files):
+    target = load(files["f0731"], numerics="ds4-cpu")
+    with pytest.raises(DrafterError) as e:
+        load_mtp_drafter(files["dspark"], target)
+    assert "valid DSpark" in one_line(e.value) and "does not run" in str(e.value)
+
+
+def test_other_dims_refused(files, cpu_target):
+    with pytest.raises(DrafterError) as e:
+        load_mtp_drafter(files["other_mtp"], cpu_target)
+    assert "expert_count" in one_line(e.value)
+
+
+def test_dims_refused_by_the_tensors_without_metadata(files, cpu_target, tmp_path):
+    """A drafter that declares no dims is still checked tensor by tensor against the target."""
+    cfg = preset_config("tiny", **{**SMALL, "n_expert": 8})
+    path = tmp_path / "bare-mtp.gguf"
+    _write_plan(path, mtp_plan(cfg))
+    with pytest.raises(DrafterError) as e:
+        load_mtp_drafter(path, cpu_target)
+    assert "other dims" in one_line(e.value)
+
+
+def test_main_file_refused_as_drafter(files, cpu_target):
+    with pytest.raises(DrafterError) as e:
+        load_mtp_drafter(files["preview"], cpu_target)
+    assert "DS4 Flash model file, not a drafter" in one_line(e.value)
+
+
+def test_truncated_drafter_refused(files, cpu_target, tmp_path):
+    cut = tmp_path / "cut-mtp.gguf"
+    data = files["mtp"].read_bytes()
+    cut.write_bytes(data[: len(data) - 4096])
+    with pytest.raises(GGUFError) as e:
+        load_mtp_drafter(cut, cpu_target)
+    one_line(e.value)
+
+
+def _write_plan(path, plan):
+    with GGUFWriter(path) as w:
+        for s in plan:
+            w.add_tensor(s.name, s.ggml_type, s.ne)
+        w.write_header()
+        for s in plan:
+            w.write_tensor(s.name, s.chunks())
+
+
+def test_missing_tensor_refused(cpu_target, tmp_path):
+    cfg = preset_config("tiny", **SMALL)
+    path = tmp_path / "holey-mtp.gguf"
+    _write_plan(path, [s for s in mtp_plan(cfg) if s.name != "mtp.0.attn_sinks.weight"])
+    with pytest.raises(DrafterError) as e:
+        load_mtp_drafter(path, cpu_target)
+    assert "'mtp.0.attn_sinks.weight' is missing" in one_line(e.value)
+
+
+def test_not_a_gguf_refused(cpu_target, tmp_path):
+    p = tmp_path / "junk.gguf"
+    p.write_bytes(b"not a gguf at all" * 10)
+    with pytest.raises(Ds4Error) as e:
+        load_mtp_drafter(p, cpu_target)
+    one_line(e.value)
