@@ -248,3 +248,41 @@ def test_not_a_gguf_refused(cpu_target, tmp_path):
     with pytest.raises(Ds4Error) as e:
         load_mtp_drafter(p, cpu_target)
     one_line(e.value)
+
+
+# -- inspect and the download check --------------------------------------------------------------
+
+
+def test_inspect_says_what_a_drafter_is(files, capsys):
+    from ds4_mlx.frontends import cli
+
+    assert cli.main(["inspect", str(files["mtp"]), "--no-tensors"]) == 0
+    out = capsys.readouterr().out
+    assert "drafter: the preview's MTP drafter head (for a preview target; n_embd=256" in out
+    assert "layout: OK (32 tensors checked" in out
+    assert cli.main(["inspect", str(files["dspark"]), "--json"]) == 0
+    import json
+    info = json.loads(capsys.readouterr().out)
+    assert info["drafter"]["kind"] == "dspark" and info["drafter"]["belongs_to"] == "0731"
+    assert info["drafter"]["n_checked"] == 81 and info["config"] is None  # ds4's 81 DSpark tensors
+    assert cli.main(["inspect", str(files["preview"]), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["drafter"] is None  # a model is no drafter
+
+
+def test_inspect_reports_a_damaged_drafter(cpu_target, tmp_path, capsys):
+    from ds4_mlx.frontends import cli
+
+    cfg = preset_config("tiny", **SMALL)
+    path = tmp_path / "holey-mtp.gguf"
+    _write_plan(path, [s for s in mtp_plan(cfg) if s.name != "mtp.0.ffn_norm.weight"])
+    assert cli.main(["inspect", str(path), "--no-tensors"]) == 1
+    assert "layout: INVALID: " in capsys.readouterr().out
+
+
+def test_download_check_of_drafters(files):
+    from ds4_mlx import hub
+
+    assert hub.verify(files["mtp"], hub.TARGETS["preview-mtp"]).startswith("DS4 MTP GGUF, layout OK (32")
+    assert hub.verify(files["dspark"], hub.TARGETS["ds4f-dspark"]).startswith("DSpark drafter GGUF, layout OK (81")
+    with pytest.raises(hub.HubError, match="not a DSpark drafter .it is the preview's MTP"):
+        hub.verify(files["mtp"], hub.TARGETS["ds4f-dspark"])

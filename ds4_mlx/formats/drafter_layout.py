@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
+from dataclasses import replace
 
 from ds4_mlx.errors import DrafterError
-from ds4_mlx.formats.config import ModelConfig
+from ds4_mlx.formats.config import FIXED_SWIGLU_CLAMP, REAL_FLASH, ModelConfig
 from ds4_mlx.formats.ggml_types import GGMLType
 from ds4_mlx.formats.gguf import GGUFFile, TensorInfo
 from ds4_mlx.formats.layout import F32, Q8_0, ROUTED, ExpectedTensor
@@ -179,35 +180,49 @@ def validate_drafter_layout(f: GGUFFile, cfg: ModelConfig, kind: DrafterKind) ->
     return len(expected)
 
 
-def self_config(f: GGUFFile, kind: DrafterKind, base: ModelConfig) -> ModelConfig:
-    """``base`` with the dims a drafter file implies by its own tensors (n_embd, n_hc, the expert and
-    attention sizes): what ``inspect`` checks a drafter against when no target is loaded."""
-    from dataclasses import replace
-
+def self_config(f: GGUFFile, kind: DrafterKind, base: ModelConfig | None = None) -> ModelConfig:
+    """``base`` (default: the real Flash config, with the vocabulary the file declares, if any) with
+    the dims a drafter file implies by its own tensors (n_embd, n_hc, the expert and attention
+    sizes): what a drafter is checked against when no target is loaded (``inspect``, downloads)."""
+    if base is None:
+        n = REAL_FLASH["n_layer"]
+        base = ModelConfig(**REAL_FLASH, compress_ratios=(0,) * n, swiglu_clamp=(FIXED_SWIGLU_CLAMP,) * n)
+        vocab = f.metadata.get("deepseek4.vocab_size")
+        if isinstance(vocab, int) and not isinstance(vocab, bool) and 0 < vocab <= 1 << 24:
+            base = replace(base, n_vocab=vocab)
     p = "mtp.0."
     t = f.tensors
 
-    def ne(name: str) -> tuple[int, ...]:
+    def ne(name: str, rank: int) -> tuple[int, ...]:
         if name not in t:
             raise DrafterError(f"{f.path}: {kind.title}: required tensor {name!r} is missing")
+        if len(t[name].ne) != rank:
+            raise DrafterError(f"{f.path}: tensor {name!r} has {len(t[name].ne)} dims, expected {rank}")
         return t[name].ne
 
-    E = ne(p + "attn_norm.weight")[0]
-    hc_dim = ne(p + "hc_attn_fn.weight")[0]
+    (E,) = ne(p + "attn_norm.weight", 1)
+    hc_dim, _ = ne(p + "hc_attn_fn.weight", 2)
     n_hc = hc_dim // E if E else 0
-    _, FF, NE = ne(p + "ffn_gate_exps.weight")
-    LQ, q_dim = ne(p + "attn_q_b.weight")
-    D = ne(p + "attn_kv_a_norm.weight")[0]
-    n_head = ne(p + "attn_sinks.weight")[0]
-    group_in, out_low = ne(p + "attn_output_a.weight")
+    _, FF, NE = ne(p + "ffn_gate_exps.weight", 3)
+    LQ, _ = ne(p + "attn_q_b.weight", 2)
+    (D,) = ne(p + "attn_kv_a_norm.weight", 1)
+    (n_head,) = ne(p + "attn_sinks.weight", 1)
+    group_in, out_low = ne(p + "attn_output_a.weight", 2)
     n_out_group = n_head * D // group_in if group_in else 0
     o_rank = out_low // n_out_group if n_out_group else 0
     n_vocab = base.n_vocab
     if kind is DrafterKind.DSPARK:
-        n_vocab = ne(f"mtp.{DSPARK_STAGES - 1}.markov_head.markov_w1.weight")[1]
+        n_vocab = ne(f"mtp.{DSPARK_STAGES - 1}.markov_head.markov_w1.weight", 2)[1]
     return replace(base, n_embd=E, n_hc=n_hc, n_ff_exp=FF, n_expert=NE, q_lora_rank=LQ, head_dim=D,
                    n_head=n_head, n_out_group=max(n_out_group, 1), o_lora_rank=o_rank, n_vocab=n_vocab)
 
 
+def validate_drafter_file(f: GGUFFile, kind: DrafterKind) -> tuple[ModelConfig, int]:
+    """A drafter checked on its own: against the dims its tensors imply (``self_config``).
+    Returns (those dims, tensors checked); DrafterError on the first inconsistency."""
+    cfg = self_config(f, kind)
+    return cfg, validate_drafter_layout(f, cfg, kind)
+
+
 __all__ = ["DrafterKind", "drafter_kind", "mtp_tensors", "dspark_tensors", "validate_drafter_layout",
-           "self_config", "MTP_PREFIX", "MTP_MARKER"]
+           "self_config", "validate_drafter_file", "MTP_PREFIX", "MTP_MARKER"]
