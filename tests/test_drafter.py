@@ -286,3 +286,121 @@ def test_download_check_of_drafters(files):
     assert hub.verify(files["dspark"], hub.TARGETS["ds4f-dspark"]).startswith("DSpark drafter GGUF, layout OK (81")
     with pytest.raises(hub.HubError, match="not a DSpark drafter .it is the preview's MTP"):
         hub.verify(files["mtp"], hub.TARGETS["ds4f-dspark"])
+
+
+def test_make_tiny_model_writes_the_drafters(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "make_tiny_model.py"
+    spec = importlib.util.spec_from_file_location("make_tiny_model_for_drafters", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    dims = ["--n-vocab", "512", "--n-layer", "4", "--n-embd", "256", "--n-head", "2", "--head-dim", "192",
+            "--n-out-group", "1", "--q-lora", "64", "--o-lora", "32", "--n-expert", "4", "--n-expert-used", "2",
+            "--n-ff-exp", "256", "--n-indexer-head", "2", "--indexer-top-k", "4", "--swa", "8"]
+    m, mtp, dspark = tmp_path / "m.gguf", tmp_path / "m-mtp.gguf", tmp_path / "m-dspark.gguf"
+    assert mod.main(["--out", str(m), *dims, "--no-tokenizer", "--no-sha256", "--quiet",
+                     "--mtp-out", str(mtp), "--dspark-out", str(dspark)]) == 0
+    assert "wrote mtp drafter" in capsys.readouterr().out
+    target = load(m, numerics="ds4-cpu")
+    for path, ckpt in ((mtp, "preview"), (dspark, "0731")):
+        f, kind = open_drafter(path, target, ckpt)
+        f.close()
+    d = load_mtp_drafter(mtp, target)
+    d.start(PROMPT, target_rows(target, PROMPT)[-1:])
+    assert len(d.propose(2)) == 2
+    d.close()
+
+
+# -- the step against the target's own modules -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mirror(tmp_path_factory):
+    """A target whose layer 1 routes by scores (hash_layer_count 1) and an MTP file whose block is a copy
+    of that layer's tensors and whose head mix / norm are the target's output mix / norm: the drafter's
+    block and head must then compute exactly what the target's layer 1 and head do."""
+    from ds4_mlx.synth import TensorSpec
+
+    d = tmp_path_factory.mktemp("mirror")
+    cfg = preset_config("tiny", **SMALL, n_hash_layer=1, name="ds4-drafter-mirror")
+    path, mtp = d / "target.gguf", d / "mirror-mtp.gguf"
+    write_tiny_model(cfg, path, compute_sha256=False)
+    src = GGUFFile(path)
+
+    def source_of(name: str) -> str | None:
+        suffix = name.removeprefix("mtp.0.")
+        if suffix.startswith("hc_head_"):
+            return "output_hc_" + suffix.removeprefix("hc_head_")
+        if suffix == "norm.weight":
+            return "output_norm.weight"
+        return "blk.1." + suffix if f"blk.1.{suffix}" in src.tensors else None
+
+    plan = []
+    for s in mtp_plan(cfg):
+        other = source_of(s.name)
+        if other is None:
+            plan.append(s)
+            continue
+        t = src.tensors[other]
+        plan.append(TensorSpec(s.name, t.ggml_type, t.ne, lambda o=other: iter([np.array(src.tensor_data(o))])))
+    _write_plan(mtp, plan)
+    src.close()
+    target = load(path, numerics="ds4-cpu")
+    return target, load_mtp_drafter(mtp, target), path, mtp
+
+
+def test_mtp_inputs_are_the_projected_embedding_plus_the_projected_state(mirror):
+    from ds4_mlx.formats.quants import dequantize
+
+    _, _, path, mtp = mirror
+    target = load(path)  # default numerics: float32 products of the dequantized weights
+    d = load_mtp_drafter(mtp, target)
+    head, cfg = d.head, target.config
+    toks = np.array([3, 250, 77])
+    h = target_rows(target, toks)
+    f = head.source
+
+    def mat(name):
+        t = f.tensors[name]
+        return dequantize(f.tensor_data(name), t.ggml_type, t.n_elements).reshape(t.shape).astype(np.float64)
+
+    def rms(x, w):
+        x = x.astype(np.float64)
+        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + cfg.rms_eps) * w
+
+    emb = np.asarray(target.embedding[toks], dtype=np.float64)
+    e = rms(emb, np.asarray(f.tensor_array("mtp.0.enorm.weight"))) @ mat("mtp.0.e_proj.weight").T
+    hp = rms(np.asarray(h), np.asarray(f.tensor_array("mtp.0.hnorm.weight"))) @ mat("mtp.0.h_proj.weight").T
+    np.testing.assert_allclose(np.asarray(head.inputs(target, toks, h)), e[:, None, :] + hp, rtol=2e-4, atol=2e-4)
+
+
+def test_mtp_block_and_head_compute_the_targets_layer_1_and_head(mirror):
+    """Bound by name under mtp.0., run as the dense score-routed layer 1 over its own window: the same
+    bits as the target's layer 1 over its raw ring, and the target's head (ds4-cpu numerics)."""
+    from ds4_mlx.model.cache import ChunkAt, LayerCache, capacity_for
+
+    target, d, _, _ = mirror
+    head, cfg = d.head, target.config
+    toks = np.array([3, 250, 77, 401, 9])
+    H = target.embed(toks) * 0.5 + target_rows(target, toks)  # any HC state
+
+    lc = LayerCache.empty(cfg, 1, capacity_for(len(toks)))
+    lc.bind(ChunkAt(0, len(toks), target.ops))
+    want = target.blocks[1](H, toks, lc)
+    window = head.empty_window()
+    window.bind(ChunkAt(0, len(toks), target.ops))
+    got = head.block(H, toks, window)
+    assert np.array_equal(np.asarray(got), np.asarray(want))
+    lc.offset = len(toks)  # what ModelCache.advance does after a chunk
+    assert np.array_equal(np.asarray(window.rows), np.asarray(lc.raw_rows()))
+
+    # the whole step: the inputs, the block over the window, the head
+    h = target_rows(target, toks)
+    H_last, logits = head.run(target, toks, h, head.empty_window(), 0)
+    lc = LayerCache.empty(cfg, 1, capacity_for(len(toks)))
+    lc.bind(ChunkAt(0, len(toks), target.ops))
+    ref = target.blocks[1](head.inputs(target, toks, h), toks, lc)[-1:]
+    assert np.array_equal(np.asarray(H_last), np.asarray(ref[0]))
+    assert np.array_equal(logits, np.asarray(target.head(ref)[0]))

@@ -74,6 +74,10 @@ class MTPDrafter(Drafter):
         self.state_hc: mx.array | None = None  # H_out of the step at anchored-1
         self.logits: np.ndarray | None = None  # its logits (draft 0 when nothing is pending)
 
+    def close(self) -> None:
+        """Unmap the drafter file."""
+        self.head.close()
+
     @property
     def n_pending(self) -> int:
         return len(self.tokens) - self.anchored

@@ -43,9 +43,6 @@ class DraftWindow:
     only ``at`` and ``update_raw`` of such a layer's cache). Arrays are never changed in place, so
     ``copy`` is a free snapshot: proposals run on a copy and rolling back is dropping it."""
 
-    lanes: list = []
-    attn = index = None
-
     def __init__(self, n_swa: int, head_dim: int, rows: mx.array | None = None, end: int = 0):
         self.n_swa, self.head_dim = n_swa, head_dim
         self.rows = rows if rows is not None else mx.zeros((0, head_dim), dtype=mx.float32)
@@ -91,6 +88,11 @@ class MTPHead:
         self.config, self.ops = cfg, ops
         self.e_proj, self.h_proj, self.enorm, self.hnorm, self.norm = e_proj, h_proj, enorm, hnorm, norm
         self.output_hc, self.block, self.source = output_hc, block, source
+
+    def close(self) -> None:
+        """Unmap the drafter file (the head is unusable afterwards)."""
+        if self.source is not None:
+            self.source.close()
 
     def empty_window(self) -> DraftWindow:
         return DraftWindow(self.config.n_swa, self.config.head_dim)
