@@ -186,7 +186,8 @@ def _block(cfg: ModelConfig, w: _Weights, il: int, ops: DefaultOps, gather=None,
                      compressor=compressor, index_compressor=index_compressor, indexer=indexer, ops=ops)
 
     tid2eid = None
-    if cfg.is_hash_layer(il) if hash_routed is None else hash_routed:
+    hashed = cfg.is_hash_layer(il) if hash_routed is None else hash_routed
+    if hashed:
         name = f"{p}ffn_gate_tid2eid.weight"
         if not w.has(name):
             raise LayoutError(f"{w.f.path}: hash layer {il} needs tensor {name!r}")
