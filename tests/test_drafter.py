@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4_mlx.engine.drafter import MTPDrafter, load_mtp_drafter
+from ds4_mlx.engine.mtp_drafter import MAX_RECURSE, MTPDrafter, load_mtp_drafter
 from ds4_mlx.errors import Ds4Error, DrafterError, GGUFError, InferenceError
 from ds4_mlx.formats.drafter_layout import DrafterKind, drafter_kind, mtp_tensors
 from ds4_mlx.formats.gguf import GGUFFile
@@ -77,49 +77,52 @@ def test_generated_files_have_the_real_layouts(files, cpu_target):
 def test_mtp_proposes_and_propose_leaves_the_state(files, cpu_target):
     d = load_mtp_drafter(files["mtp"], cpu_target)
     rows = target_rows(cpu_target, PROMPT)
-    d.start(PROMPT, rows[-3:])
+    n = len(PROMPT)
+    d.start(PROMPT, rows[n - 4: n - 1])  # the rows that chose the last 3 tokens
     a = d.propose(4)
     assert len(a) == 4 and all(0 <= t < 512 for t in a)
     assert d.propose(4) == a and d.propose(2) == a[:2]  # proposing never moves the committed state
     assert d.propose(0) == []
 
 
-def test_first_draft_is_the_recursion_from_the_last_anchored_step(files, cpu_target):
-    """Draft 0 comes from the step on (h_{n-1}, t_{n-1}); draft 1 from the step on its own output and
-    draft 0 at position n: the same tokens a drafter whose last position is pending proposes."""
-    d = load_mtp_drafter(files["mtp"], cpu_target)
+def test_drafts_recurse_over_the_committed_tokens_first(files, cpu_target):
+    """Draft i + 1 comes from the step on draft i: the same tokens a drafter proposes once draft 0 is
+    committed without a row (it then runs recursively, as a draft did)."""
+    n = len(PROMPT)
     rows = target_rows(cpu_target, PROMPT)
-    d.start(PROMPT, rows[-4:])
+    d = load_mtp_drafter(files["mtp"], cpu_target)
+    d.start(PROMPT, rows[n - 5: n - 1])
     drafts = d.propose(3)
     e = load_mtp_drafter(files["mtp"], cpu_target)
-    e.start(PROMPT, rows[-4:])
-    e.accept([drafts[0]], None)  # committed without a row: pending, run recursively
-    assert e.propose(2) == drafts[1:]
+    e.start(PROMPT, rows[n - 5: n - 1])
+    e.accept([drafts[0]], None)
+    assert e.n_pending == 2 and e.propose(2) == drafts[1:]
+
+
+def _state(d: MTPDrafter):
+    return (list(d.tokens), d.end, d.window.end, np.asarray(d.window.rows).tobytes(),
+            np.asarray(d.state_hc).tobytes())
 
 
 def test_ds4_cpu_proposals_are_deterministic(files):
+    n = len(PROMPT)
     props = []
     for _ in range(2):
         model = load(files["preview"], numerics="ds4-cpu")
         d = load_mtp_drafter(files["mtp"], model)
-        d.start(PROMPT, target_rows(model, PROMPT)[-2:])
-        props.append((d.propose(5), np.asarray(d.logits).tobytes(), np.asarray(d.window.rows).tobytes()))
+        d.start(PROMPT, target_rows(model, PROMPT)[n - 3: n - 1])
+        props.append((d.propose(5), _state(d)))
     assert props[0] == props[1]
 
 
 def test_default_numerics_propose(files):
     model = load(files["preview"])
     d = load_mtp_drafter(files["mtp"], model)
-    d.start(PROMPT, target_rows(model, PROMPT)[-2:])
+    d.start(PROMPT, target_rows(model, PROMPT)[-3:-1])
     assert len(d.propose(3)) == 3
 
 
 # -- rollback -----------------------------------------------------------------------------------
-
-
-def _state(d: MTPDrafter):
-    return (list(d.tokens), d.anchored, d.window.end, np.asarray(d.window.rows).tobytes(),
-            np.asarray(d.state_hc).tobytes(), np.asarray(d.logits).tobytes())
 
 
 @pytest.mark.parametrize("n_rows", [2, 10])  # 10 > the window: the anchored chunk restarts it
@@ -128,46 +131,87 @@ def test_rollback_equals_a_fresh_drafter(files, cpu_target, n_rows):
     are bit for bit those of a fresh drafter given the same committed history (ds4-cpu numerics)."""
     n = len(PROMPT)
     d = load_mtp_drafter(files["mtp"], cpu_target)
-    d.start(PROMPT, target_rows(cpu_target, PROMPT)[-n_rows:])
+    d.start(PROMPT, target_rows(cpu_target, PROMPT)[n - 1 - n_rows: n - 1])
     drafts = d.propose(4)
     bonus = (drafts[2] + 1) % 512  # the target rejected draft 2
     committed = PROMPT + drafts[:2] + [bonus]
-    rows = target_rows(cpu_target, committed)  # the verifier's rows of the accepted drafts
-    d.accept(drafts[:2] + [bonus], rows[n:n + 2])
-    assert d.n_pending == 1
+    rows = target_rows(cpu_target, committed)  # the verify's rows: those that chose d0, d1, bonus
+    d.accept(drafts[:2] + [bonus], rows[n - 1: n + 2])
+    assert d.n_pending == 1  # the bonus token's own row comes with the next token
     again = d.propose(3)
 
     fresh = load_mtp_drafter(files["mtp"], cpu_target)
-    fresh.start(committed[:-1], rows[n - n_rows: n + 2])
-    fresh.accept([bonus], None)
+    fresh.start(committed, rows[n - 1 - n_rows: n + 2])
     assert fresh.propose(3) == again
     assert _state(fresh) == _state(d)
 
-    # ds4's cycle: the target feeds the correction token, its row anchors it
-    d.accept([], rows[n + 2:])
+    # the next verify: the target chose y after the bonus token (with the bonus token's row)
+    y = again[0]
+    rows = target_rows(cpu_target, committed + [y])
+    d.accept([y], rows[n + 2: n + 3])
     fresh2 = load_mtp_drafter(files["mtp"], cpu_target)
-    fresh2.start(committed, rows[n - n_rows: n + 3])
-    assert d.n_pending == 0 and fresh2.propose(4) == d.propose(4)
+    fresh2.start(committed + [y], rows[n - 1 - n_rows: n + 3])
+    assert fresh2.propose(4) == d.propose(4)
     assert _state(fresh2) == _state(d)
+
+
+def test_the_verifiers_flow_from_a_prefill(files, cpu_target):
+    """ds4-mlx's speculator starts with no rows (a prefill keeps none) and a first token chosen by the
+    prompt's logits; the first verify's row anchors the drafter there (ds4's window starts empty after
+    a prefill too)."""
+    n = len(PROMPT)
+    d = load_mtp_drafter(files["mtp"], cpu_target)
+    d.start(PROMPT, None)
+    assert d.propose(2) == []  # nothing to draft from yet
+    d.accept([41], None)  # chosen from the prefill's logits, no row
+    assert d.propose(2) == []
+    rows = target_rows(cpu_target, PROMPT + [41, 42])
+    d.accept([42], rows[n: n + 1])  # the one-token verify of 41 gave its row, which chose 42
+    fresh = load_mtp_drafter(files["mtp"], cpu_target)
+    fresh.start(PROMPT + [41, 42], rows[n: n + 1])
+    assert d.window.n_rows == 1 and d.propose(3) == fresh.propose(3) and _state(d) == _state(fresh)
+
+
+def test_positions_without_rows(files, cpu_target):
+    """A plain decode step gives no row: a short gap runs recursively (the window stays contiguous), a
+    gap past MAX_RECURSE restarts the window, and too many tokens past the last row give no proposal."""
+    n = len(PROMPT)
+    rows_p = target_rows(cpu_target, PROMPT)
+    d = load_mtp_drafter(files["mtp"], cpu_target)
+    d.start(PROMPT, rows_p[n - 3: n - 1])  # positions n-3, n-2 run
+    d.accept([41], None)
+    rows = target_rows(cpu_target, PROMPT + [41, 42])
+    d.accept([42], rows[n: n + 1])  # position n-1 had no row: recursion; then n anchored
+    assert (d.window.n_rows, d.window.end, d.n_pending) == (4, n + 1, 1)
+    assert len(d.propose(2)) == 2
+
+    far = [7] * (MAX_RECURSE + 1)
+    d.accept(far, None)
+    assert d.n_pending == MAX_RECURSE + 2 and d.propose(2) == []  # too far from the last row
+    ctx = PROMPT + [41, 42] + far + [43]
+    rows = target_rows(cpu_target, ctx)
+    d.accept([43], rows[len(ctx) - 2: len(ctx) - 1])
+    assert (d.window.n_rows, d.n_pending) == (1, 1) and len(d.propose(1)) == 1
 
 
 def test_hidden_rows_are_checked(files, cpu_target):
     d = load_mtp_drafter(files["mtp"], cpu_target)
     rows = target_rows(cpu_target, PROMPT)
-    with pytest.raises(InferenceError):
-        d.propose(1)  # no context yet
-    with pytest.raises(InferenceError, match="hidden rows"):
-        d.start(PROMPT, None)
+    assert d.propose(1) == []  # no context yet
     with pytest.raises(InferenceError, match="shape"):
         d.start(PROMPT, rows[:, 0])
-    with pytest.raises(InferenceError, match="need 1..n"):
-        d.start(PROMPT[:2], rows[:3])
+    with pytest.raises(InferenceError, match="at most 1"):
+        d.start(PROMPT[:2], rows[:2])
     with pytest.raises(InferenceError, match="vocabulary"):
-        d.start([1, 9999], rows[:2])
-    d.start(PROMPT, rows[-1:])
-    with pytest.raises(InferenceError, match="lack one"):
-        d.accept([3], rows[:2])  # one pending position, two rows
+        d.start([1, 9999], rows[:1])
+    with pytest.raises(InferenceError, match="before any context"):
+        d.accept([3], rows[:1])
+    d.start(PROMPT, rows[-2:-1])
+    with pytest.raises(InferenceError, match="one row per token"):
+        d.accept([3], rows[:2])
     assert d.tokens == PROMPT  # a refused accept changes nothing
+    with pytest.raises(InferenceError, match="vocabulary"):
+        d.accept([-1], None)
 
 
 # -- refusals ----------------------------------------------------------------------------------
@@ -308,7 +352,7 @@ def test_make_tiny_model_writes_the_drafters(tmp_path, capsys):
         f, kind = open_drafter(path, target, ckpt)
         f.close()
     d = load_mtp_drafter(mtp, target)
-    d.start(PROMPT, target_rows(target, PROMPT)[-1:])
+    d.start(PROMPT, target_rows(target, PROMPT)[-2:-1])
     assert len(d.propose(2)) == 2
     d.close()
 

@@ -106,11 +106,13 @@ class MTPHead:
         hp = ops.linear(self.h_proj, ops.rms_norm(h.reshape(T * n_hc, E), self.hnorm, cfg.rms_eps))
         return e[:, None, :] + hp.reshape(T, n_hc, E)
 
-    def run(self, target, tokens, h: mx.array, window: DraftWindow, p0: int) -> tuple[mx.array, np.ndarray]:
+    def run(self, target, tokens, h: mx.array, window: DraftWindow, p0: int,
+            logits: bool = True) -> tuple[mx.array, np.ndarray | None]:
         """Steps at positions p0..p0+T-1 (tokens [T], input states h [T, n_hc, n_embd], each row its
         own position's: the anchored case; a recursive step is T = 1). Appends their rows to
         ``window`` (in place: pass a copy to keep the original) and returns (H_out of the last
-        position [n_hc, n_embd], its logits as float32 [n_vocab])."""
+        position [n_hc, n_embd], its logits as float32 [n_vocab], or None without ``logits``: a
+        step whose draft nobody reads skips the output matrix)."""
         tokens = np.asarray(tokens, dtype=np.int64)
         if self.source is not None:
             self.source.check_intact()  # a truncated drafter file is an error, not SIGBUS
@@ -121,9 +123,11 @@ class MTPHead:
             # runs on that row alone (no other row's output reaches it)
             H = self.block.attention_part(H, window)[-1:]
             H = self.block.ffn_part(H, tokens[-1:])
-            x = self.ops.rms_norm(self.output_hc(H), self.norm, self.config.rms_eps)
-            logits = target.head_logits(x)[0]
-            ok = all_finite(logits)
-            mx.eval(H, logits, ok, *window.arrays())
+            out = None
+            if logits:
+                x = self.ops.rms_norm(self.output_hc(H), self.norm, self.config.rms_eps)
+                out = target.head_logits(x)[0]
+            ok = all_finite(H if out is None else out)
+            mx.eval(H, ok, *window.arrays(), *([] if out is None else [out]))
             raise_nonfinite([("the MTP drafter", ok)], f"position {p0 + len(tokens) - 1}", self.source)
-        return H[0], np.asarray(logits, dtype=np.float32)
+        return H[0], None if out is None else np.asarray(out, dtype=np.float32)
