@@ -81,3 +81,9 @@ class MemoryPlanError(Ds4Error):
 class DraftError(InferenceError):
     """Speculative decoding that cannot run: a drafter file that is missing or unusable, a bad draft
     length, a drafter that proposes ids outside the vocabulary, a model that cannot verify drafts."""
+
+
+class DrafterError(LayoutError, DraftError):
+    """A speculative-decoding drafter GGUF (the preview's MTP head, 0731's DSpark file) that is not a
+    drafter, is damaged, or does not belong to the loaded model (another checkpoint, other dims): a
+    file problem (``LayoutError``) that also stops speculation (``DraftError``)."""

@@ -115,8 +115,6 @@ ALIASES: dict[str, str] = {"q2-imatrix": "preview-q2-imatrix", "q4-imatrix": "pr
 # machines (96-128 GB).
 DEFAULT_TARGET = "ds4f-q2"
 
-_MTP_MARKER_TENSOR = "mtp.0.e_proj.weight"  # one of the tensors ds4 requires in an MTP file
-_DSPARK_PARTS = (".main_proj.", ".markov_head.", ".confidence_head.")  # what ds4 looks for in a DSpark file
 _SEGMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 # One HTTP request covers at most this many bytes: huggingface_hub's http_get refuses a plain request
@@ -211,28 +209,37 @@ def download(target: Target | str, dir: str | os.PathLike | None = None, token: 
     return Download(t, path, path.stat().st_size, fetched, verify(path, t), integrity)
 
 
+def _verify_drafter(path, want) -> str:
+    """A drafter download: the kind ds4 recognises [support_model_detect] and its layout checked
+    against the dims its own tensors imply (the target is not known here)."""
+    from ds4_mlx.errors import DrafterError
+    from ds4_mlx.formats.drafter_layout import DrafterKind, drafter_kind, validate_drafter_file
+    from ds4_mlx.formats.gguf import GGUFFile
+
+    what = "a DS4 MTP component" if want is DrafterKind.MTP else "a DSpark drafter"
+    with GGUFFile(path) as f:
+        try:
+            found = drafter_kind(f)
+        except DrafterError as exc:
+            why = _one_line(exc).removeprefix(f"{f.path}: ")
+            raise HubError(f"{path}: a GGUF, but not {what} ({why})") from None
+        if found is not want:
+            raise HubError(f"{path}: a GGUF, but not {what} (it is {found.title})")
+        _, n = validate_drafter_file(f, found)
+    return f"{'DS4 MTP' if want is DrafterKind.MTP else 'DSpark drafter'} GGUF, layout OK ({n} tensors checked)"
+
+
 def verify(path: str | os.PathLike, target: Target | None = None) -> str:
     """Open ``path`` as a GGUF (header and tensor directory, by mmap: nothing big is read) and check it
-    is a DS4 Flash model (or, for the MTP target, an MTP component). Returns one line saying so."""
-    from ds4_mlx.formats.gguf import GGUFFile
+    is a DS4 Flash model (or, for a drafter target, that drafter with a consistent layout). Returns one
+    line saying so."""
+    from ds4_mlx.formats.drafter_layout import DrafterKind
     from ds4_mlx.formats.layout import load_model_file
 
     kind = target.kind if target is not None else "model"
     try:
-        if kind == "mtp":
-            with GGUFFile(path) as f:
-                if _MTP_MARKER_TENSOR not in f.tensors:
-                    raise HubError(f"{path}: a GGUF, but not a DS4 MTP component (no {_MTP_MARKER_TENSOR})")
-                return f"DS4 MTP GGUF, {len(f.tensors)} tensors"
-        if kind == "dspark":
-            with GGUFFile(path) as f:
-                # ds4's recognition [support_model_detect]: mtp.<stage>.* stages with a main
-                # projection, a Markov head and a confidence head
-                names = list(f.tensors)
-                missing = [part for part in _DSPARK_PARTS if not any(part in n for n in names)]
-                if missing or not any(n.startswith("mtp.") for n in names):
-                    raise HubError(f"{path}: a GGUF, but not a DSpark drafter (no {', '.join(missing) or 'mtp.*'} tensors)")
-                return f"DSpark drafter GGUF, {len(f.tensors)} tensors"
+        if kind in ("mtp", "dspark"):
+            return _verify_drafter(path, DrafterKind(kind))
         f, cfg, report = load_model_file(path)
         with f:
             return (f"DS4 Flash GGUF, layout OK ({report.n_checked} tensors checked), "

@@ -602,131 +602,148 @@ class TensorSpec:
         return row_nbytes(self.ggml_type, self.ne[0]) * n_rows
 
 
-def tensor_plan(cfg: TinyModelConfig) -> list[TensorSpec]:
-    """Every tensor in file order (the oracle generator's order)."""
-    cfg.validate()
-    E, V, H, D, HC = cfg.n_embd, cfg.n_vocab, cfg.n_head, cfg.head_dim, cfg.n_hc
-    G, LQ, FF, NE = cfg.n_out_group, cfg.q_lora, cfg.n_ff_exp, cfg.n_expert
-    IH, ID = cfg.n_indexer_head, cfg.indexer_head_dim
-    hc_dim = E * HC
-    hc_mix = 2 * HC + HC * HC
-    q_dim = H * D
-    group_dim = D * (H // G)
-    out_low = G * cfg.o_lora
-    gain, seed = cfg.gain, cfg.seed
-    specs: list[TensorSpec] = []
+class TensorPlanner:
+    """Builds ``TensorSpec`` lists in file order for ``cfg``'s dims (``tensor_plan``, and the
+    drafter files of ``synth_drafter``); every tensor's content is decided by its name (the module
+    docstring), so a tensor is the same whichever plan it is in."""
 
-    def rng(name: str) -> np.random.Generator:
-        return tensor_rng(seed, name)
+    def __init__(self, cfg: TinyModelConfig):
+        cfg.validate()
+        self.cfg = cfg
+        self.specs: list[TensorSpec] = []
+        self.quantize = quantize_q8_0_ties_even if cfg.oracle_bytes else quantize_q8_0
 
-    def f32(name: str, values: Callable[[np.random.Generator], np.ndarray]) -> None:
+    def rng(self, name: str) -> np.random.Generator:
+        return tensor_rng(self.cfg.seed, name)
+
+    def f32(self, name: str, values: Callable[[np.random.Generator], np.ndarray]) -> None:
         def chunks() -> Iterator[np.ndarray]:
-            yield np.asarray(values(rng(name)), dtype=np.float32)
-        n = int(np.asarray(values(rng(name))).size)
-        specs.append(TensorSpec(name, GGMLType.F32, (n,), chunks))
+            yield np.asarray(values(self.rng(name)), dtype=np.float32)
+        n = int(np.asarray(values(self.rng(name))).size)
+        self.specs.append(TensorSpec(name, GGMLType.F32, (n,), chunks))
 
-    def f16_gauss(name: str, n_in: int, n_out: int, std: float) -> None:
+    def gauss(self, name: str, n_in: int, n_out: int, std: float, qtype: GGMLType = GGMLType.F16) -> None:
+        """A Gaussian [n_out, n_in] matrix stored as F16, F32 or Q8_0."""
         def chunks() -> Iterator[np.ndarray]:
-            for rows in _gaussian_rows(rng(name), n_out, n_in, std):
-                yield rows.astype(np.float16)
-        specs.append(TensorSpec(name, GGMLType.F16, (n_in, n_out), chunks))
+            for rows in _gaussian_rows(self.rng(name), n_out, n_in, std):
+                yield self.quantize(rows) if qtype == GGMLType.Q8_0 else rows.astype(
+                    np.float16 if qtype == GGMLType.F16 else np.float32)
+        self.specs.append(TensorSpec(name, qtype, (n_in, n_out), chunks))
 
-    quantize = quantize_q8_0_ties_even if cfg.oracle_bytes else quantize_q8_0
+    def q8(self, name: str, n_in: int, n_out: int, std: float) -> None:
+        self.gauss(name, n_in, n_out, std, GGMLType.Q8_0)
 
-    def q8(name: str, n_in: int, n_out: int, std: float) -> None:
-        def chunks() -> Iterator[np.ndarray]:
-            for rows in _gaussian_rows(rng(name), n_out, n_in, std):
-                yield quantize(rows)
-        specs.append(TensorSpec(name, GGMLType.Q8_0, (n_in, n_out), chunks))
+    def norm_w(self, name: str, n: int) -> None:
+        self.f32(name, lambda r: 1.0 + self.cfg.norm_jitter * r.standard_normal(n))
 
-    def norm_w(name: str, n: int) -> None:
-        f32(name, lambda r: 1.0 + cfg.norm_jitter * r.standard_normal(n))
-
-    def hc_params(prefix: str) -> None:
-        f16_gauss(f"{prefix}_fn.weight", hc_dim, hc_mix, 1.0 / np.sqrt(hc_dim))
-        f32(f"{prefix}_scale.weight", lambda r: r.uniform(0.3, 0.7, size=3))
+    def hc_params(self, prefix: str, fn_type: GGMLType = GGMLType.F16) -> None:
+        HC = self.cfg.n_hc
+        hc_dim, hc_mix = self.cfg.n_embd * HC, 2 * HC + HC * HC
+        self.gauss(f"{prefix}_fn.weight", hc_dim, hc_mix, 1.0 / np.sqrt(hc_dim), fn_type)
+        self.f32(f"{prefix}_scale.weight", lambda r: r.uniform(0.3, 0.7, size=3))
 
         def base(r: np.random.Generator) -> np.ndarray:
             out = np.empty(hc_mix, dtype=np.float32)
             out[: 2 * HC] = 0.3 * r.standard_normal(2 * HC)
             out[2 * HC :] = (0.5 * r.standard_normal((HC, HC)) + np.eye(HC)).reshape(-1)  # mild identity bias
             return out
-        f32(f"{prefix}_base.weight", base)
+        self.f32(f"{prefix}_base.weight", base)
 
-    def experts(name: str, qtype: GGMLType, n_in: int, n_out: int) -> None:
+    def head_hc(self, prefix: str, fn_type: GGMLType = GGMLType.F16) -> None:
+        """An output mix (``output_hc_*``, a drafter's ``hc_head_*``): fn, scale, base."""
+        HC = self.cfg.n_hc
+        hc_dim = self.cfg.n_embd * HC
+        self.gauss(f"{prefix}_fn.weight", hc_dim, HC, 1.0 / np.sqrt(hc_dim), fn_type)
+        self.f32(f"{prefix}_scale.weight", lambda r: r.uniform(0.3, 0.7, size=1))
+        self.f32(f"{prefix}_base.weight", lambda r: 0.3 * r.standard_normal(HC))
+
+    def experts(self, name: str, qtype: GGMLType, n_in: int, n_out: int) -> None:
+        cfg, NE = self.cfg, self.cfg.n_expert
         make = _RANDOM_BLOCKS[qtype]
         blocks_per_expert = n_out * n_in // BLOCK_GEOMETRY[qtype][0]
-        target = gain / np.sqrt(n_in)
+        target = cfg.gain / np.sqrt(n_in)
 
         def chunks() -> Iterator[np.ndarray]:
             if cfg.oracle_bytes:
-                yield _ORACLE_BLOCKS[qtype](rng(name), NE * blocks_per_expert, target)
+                yield _ORACLE_BLOCKS[qtype](self.rng(name), NE * blocks_per_expert, target)
                 return
             for e in range(NE):
-                yield make(tensor_rng(seed, name, e), blocks_per_expert, target)
-        specs.append(TensorSpec(name, qtype, (n_in, n_out, NE), chunks))
+                yield make(tensor_rng(cfg.seed, name, e), blocks_per_expert, target)
+        self.specs.append(TensorSpec(name, qtype, (n_in, n_out, NE), chunks))
 
-    def tid2eid(name: str) -> None:
-        used = cfg.n_expert_used
+    def tid2eid(self, name: str) -> None:
+        used, NE, V = self.cfg.n_expert_used, self.cfg.n_expert, self.cfg.n_vocab
 
         def chunks() -> Iterator[np.ndarray]:
-            r = rng(name)
+            r = self.rng(name)
             step = max(1, _CHUNK_ELEMS // NE)
             for r0 in range(0, V, step):
                 keys = r.random((min(step, V - r0), NE))
                 # argsort of random keys: `used` distinct experts per token id
                 yield np.argsort(keys, axis=1)[:, :used].astype(np.int32)
-        specs.append(TensorSpec(name, GGMLType.I32, (used, V), chunks))
+        self.specs.append(TensorSpec(name, GGMLType.I32, (used, V), chunks))
 
-    f16_gauss("token_embd.weight", E, V, cfg.embd_std)
-    f16_gauss("output_hc_fn.weight", hc_dim, HC, 1.0 / np.sqrt(hc_dim))
-    f32("output_hc_scale.weight", lambda r: r.uniform(0.3, 0.7, size=1))
-    f32("output_hc_base.weight", lambda r: 0.3 * r.standard_normal(HC))
-    norm_w("output_norm.weight", E)
-    q8("output.weight", E, V, gain / np.sqrt(E))
-
-    for il in range(cfg.n_layer):
-        p = f"blk.{il}."
-        ratio = ds4_compress_ratio(il)
-        hc_params(p + "hc_attn")
-        norm_w(p + "attn_norm.weight", E)
-        q8(p + "attn_q_a.weight", E, LQ, gain / np.sqrt(E))
-        norm_w(p + "attn_q_a_norm.weight", LQ)
-        q8(p + "attn_q_b.weight", LQ, q_dim, gain / np.sqrt(LQ))
-        q8(p + "attn_kv.weight", E, D, gain / np.sqrt(E))
-        norm_w(p + "attn_kv_a_norm.weight", D)
-        f32(p + "attn_sinks.weight", lambda r: cfg.sink_std * r.standard_normal(H))
-        q8(p + "attn_output_a.weight", group_dim, out_low, gain / np.sqrt(group_dim))
-        q8(p + "attn_output_b.weight", out_low, E, gain / np.sqrt(out_low))
+    def layer(self, p: str, ratio: int, *, bias: bool, hash_table: bool,
+              expert_types: tuple[GGMLType, GGMLType, GGMLType], plain: GGMLType = GGMLType.F16) -> None:
+        """One block's tensors under prefix ``p`` (``blk.N.``, a drafter's ``mtp.S.``) in ds4's order;
+        ``plain``: the type of the HC mixers and the router (F16 in the model, F16 or F32 in a drafter)."""
+        cfg = self.cfg
+        E, H, D = cfg.n_embd, cfg.n_head, cfg.head_dim
+        LQ, FF, NE, IH, ID, gain = cfg.q_lora, cfg.n_ff_exp, cfg.n_expert, cfg.n_indexer_head, cfg.indexer_head_dim, cfg.gain
+        group_dim = D * (H // cfg.n_out_group)
+        out_low = cfg.n_out_group * cfg.o_lora
+        self.hc_params(p + "hc_attn", plain)
+        self.norm_w(p + "attn_norm.weight", E)
+        self.q8(p + "attn_q_a.weight", E, LQ, gain / np.sqrt(E))
+        self.norm_w(p + "attn_q_a_norm.weight", LQ)
+        self.q8(p + "attn_q_b.weight", LQ, H * D, gain / np.sqrt(LQ))
+        self.q8(p + "attn_kv.weight", E, D, gain / np.sqrt(E))
+        self.norm_w(p + "attn_kv_a_norm.weight", D)
+        self.f32(p + "attn_sinks.weight", lambda r: cfg.sink_std * r.standard_normal(H))
+        self.q8(p + "attn_output_a.weight", group_dim, out_low, gain / np.sqrt(group_dim))
+        self.q8(p + "attn_output_b.weight", out_low, E, gain / np.sqrt(out_low))
         if ratio:
             cw = (2 if ratio == 4 else 1) * D
-            f16_gauss(p + "attn_compressor_ape.weight", cw, ratio, cfg.ape_std)
-            f16_gauss(p + "attn_compressor_kv.weight", E, cw, gain / np.sqrt(E))
-            f16_gauss(p + "attn_compressor_gate.weight", E, cw, gain / np.sqrt(E))
-            norm_w(p + "attn_compressor_norm.weight", D)
+            self.gauss(p + "attn_compressor_ape.weight", cw, ratio, cfg.ape_std)
+            self.gauss(p + "attn_compressor_kv.weight", E, cw, gain / np.sqrt(E))
+            self.gauss(p + "attn_compressor_gate.weight", E, cw, gain / np.sqrt(E))
+            self.norm_w(p + "attn_compressor_norm.weight", D)
         if ratio == 4:
             iw = 2 * ID
-            f16_gauss(p + "indexer.attn_q_b.weight", LQ, IH * ID, gain / np.sqrt(LQ))
-            f16_gauss(p + "indexer.proj.weight", E, IH, gain / np.sqrt(E))
-            f16_gauss(p + "indexer_compressor_ape.weight", iw, ratio, cfg.ape_std)
-            f16_gauss(p + "indexer_compressor_kv.weight", E, iw, gain / np.sqrt(E))
-            f16_gauss(p + "indexer_compressor_gate.weight", E, iw, gain / np.sqrt(E))
-            norm_w(p + "indexer_compressor_norm.weight", ID)
-        hc_params(p + "hc_ffn")
-        norm_w(p + "ffn_norm.weight", E)
-        f16_gauss(p + "ffn_gate_inp.weight", E, NE, gain / np.sqrt(E))
-        if il >= cfg.n_hash_layer or cfg.exp_probs_b_all_layers:
-            f32(p + "exp_probs_b.bias", lambda r: cfg.bias_std * r.standard_normal(NE))
-        gate_t, up_t, down_t = cfg.expert_types(il)
-        experts(p + "ffn_gate_exps.weight", gate_t, E, FF)
-        experts(p + "ffn_up_exps.weight", up_t, E, FF)
-        experts(p + "ffn_down_exps.weight", down_t, FF, E)
-        q8(p + "ffn_gate_shexp.weight", E, FF, gain / np.sqrt(E))
-        q8(p + "ffn_up_shexp.weight", E, FF, gain / np.sqrt(E))
-        q8(p + "ffn_down_shexp.weight", FF, E, gain / np.sqrt(FF))
-        if il < cfg.n_hash_layer:
-            tid2eid(p + "ffn_gate_tid2eid.weight")
-    return specs
+            self.gauss(p + "indexer.attn_q_b.weight", LQ, IH * ID, gain / np.sqrt(LQ))
+            self.gauss(p + "indexer.proj.weight", E, IH, gain / np.sqrt(E))
+            self.gauss(p + "indexer_compressor_ape.weight", iw, ratio, cfg.ape_std)
+            self.gauss(p + "indexer_compressor_kv.weight", E, iw, gain / np.sqrt(E))
+            self.gauss(p + "indexer_compressor_gate.weight", E, iw, gain / np.sqrt(E))
+            self.norm_w(p + "indexer_compressor_norm.weight", ID)
+        self.hc_params(p + "hc_ffn", plain)
+        self.norm_w(p + "ffn_norm.weight", E)
+        self.gauss(p + "ffn_gate_inp.weight", E, NE, gain / np.sqrt(E), plain)
+        if bias:
+            self.f32(p + "exp_probs_b.bias", lambda r: cfg.bias_std * r.standard_normal(NE))
+        gate_t, up_t, down_t = expert_types
+        self.experts(p + "ffn_gate_exps.weight", gate_t, E, FF)
+        self.experts(p + "ffn_up_exps.weight", up_t, E, FF)
+        self.experts(p + "ffn_down_exps.weight", down_t, FF, E)
+        self.q8(p + "ffn_gate_shexp.weight", E, FF, gain / np.sqrt(E))
+        self.q8(p + "ffn_up_shexp.weight", E, FF, gain / np.sqrt(E))
+        self.q8(p + "ffn_down_shexp.weight", FF, E, gain / np.sqrt(FF))
+        if hash_table:
+            self.tid2eid(p + "ffn_gate_tid2eid.weight")
+
+
+def tensor_plan(cfg: TinyModelConfig) -> list[TensorSpec]:
+    """Every tensor in file order (the oracle generator's order)."""
+    t = TensorPlanner(cfg)
+    E, V = cfg.n_embd, cfg.n_vocab
+    t.gauss("token_embd.weight", E, V, cfg.embd_std)
+    t.head_hc("output_hc")
+    t.norm_w("output_norm.weight", E)
+    t.q8("output.weight", E, V, cfg.gain / np.sqrt(E))
+    for il in range(cfg.n_layer):
+        t.layer(f"blk.{il}.", ds4_compress_ratio(il), bias=il >= cfg.n_hash_layer or cfg.exp_probs_b_all_layers,
+                hash_table=il < cfg.n_hash_layer, expert_types=cfg.expert_types(il))
+    return t.specs
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ds4_mlx.errors import Ds4Error
 from ds4_mlx.synth import EXPERT_MIXES, PRESETS, TinyModelConfig, preset_config, write_tiny_model
+from ds4_mlx.synth_drafter import write_tiny_drafter
 
 # option name -> config field, for every option that overrides a preset
 _DIM_OPTIONS = {
@@ -58,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-sha256", action="store_true", help="skip hashing the file while writing it")
     ap.add_argument("--summary-json", default=None, help="also write the summary (config, tensors, ...) here")
     ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    ap.add_argument("--mtp-out", default=None,
+                    help="also write the model's MTP drafter head here (the preview-mtp file's layout)")
+    ap.add_argument("--dspark-out", default=None,
+                    help="also write a DSpark drafter file here (the 0731 ds4f-dspark layout; validated, not run)")
     return ap
 
 
@@ -73,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = preset_config(args.preset, **overrides)
         info = write_tiny_model(cfg, args.out, compute_sha256=not args.no_sha256, progress=progress)
+        drafters = [write_tiny_drafter(cfg, out, kind)
+                    for kind, out in (("mtp", args.mtp_out), ("dspark", args.dspark_out)) if out]
     except Ds4Error as exc:
         print(f"make_tiny_model: {exc}", file=sys.stderr)
         return 1
@@ -91,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         by_type.setdefault(t["type"], []).append(t["nbytes"])
     print(f"tensors: {len(info['tensors'])}  " + "  ".join(
         f"{k}:{len(v)} ({sum(v) / 2**20:.1f} MiB)" for k, v in sorted(by_type.items())))
+    for d in drafters:
+        print(f"wrote {d['kind']} drafter {d['file']}  ({d['file_bytes'] / 2**20:.1f} MiB, {len(d['tensors'])} tensors)")
     if args.summary_json:
         Path(args.summary_json).write_text(json.dumps(info, indent=1) + "\n")
     return 0

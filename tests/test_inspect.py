@@ -15,7 +15,7 @@ from small_model import kv_value_pos, patch, tensor_info_pos
 
 JSON_KEYS = {"checkpoint", "path", "file_size", "gguf_version", "alignment", "data_offset", "n_kv", "n_tensors", "metadata",
              "tensors", "type_totals", "tensor_bytes", "n_params", "config", "verdict", "error",
-             "routed_quant_bits", "layout", "blas", "native_experts"}
+             "routed_quant_bits", "layout", "blas", "native_experts", "drafter"}
 
 
 def _run(capsys, *argv) -> tuple[int, str, str]:

@@ -69,14 +69,15 @@ def check_draft_path(draft) -> None:
 
 
 def load_drafter(path, model) -> Drafter:
-    """The drafter stored at ``path`` for ``model`` (an ``Engine``): ds4's MTP GGUF or a DSpark file.
+    """The drafter stored at ``path`` for ``model`` (an ``Engine``): ds4's MTP GGUF (the preview's
+    head, ``engine.mtp_drafter``), validated against the loaded model and its checkpoint; a DSpark
+    file, another checkpoint's or other dims' drafter, or a main model file is a one-line
+    ``DrafterError`` (``model.drafter_loader``)."""
+    from ds4_mlx.engine.mtp_drafter import load_mtp_drafter
 
-    # TODO(#25 drafter branch): the loader of the real drafters replaces this function.
-    """
     p = os.fspath(path)
     check_draft_path(p)
-    raise DraftError(f"draft model {p}: loading drafter files is not available yet in this build "
-                     f"(pass a Drafter object to ds4_mlx.load(..., draft=...))")
+    return load_mtp_drafter(p, model.network, checkpoint=model.checkpoint)
 
 
 def check_draft_k(k) -> int:

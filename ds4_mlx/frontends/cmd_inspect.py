@@ -148,13 +148,17 @@ def inspect_file(f: GGUFFile) -> dict[str, Any]:
     layout: LayoutReport | None = None
     error = None
     checkpoint = None
-    try:
-        checkpoint = _checkpoint(f)
-        cfg = ModelConfig.from_gguf(f)
-        config = cfg.to_dict()
-        layout = validate_layout(f, cfg)
-    except LayoutError as exc:
-        error = str(exc)
+    drafter = _drafter(f)
+    if drafter is not None:
+        error = drafter.pop("error")
+    else:
+        try:
+            checkpoint = _checkpoint(f)
+            cfg = ModelConfig.from_gguf(f)
+            config = cfg.to_dict()
+            layout = validate_layout(f, cfg)
+        except LayoutError as exc:
+            error = str(exc)
 
     return {
         "path": f.path,
@@ -171,6 +175,7 @@ def inspect_file(f: GGUFFile) -> dict[str, Any]:
         "n_params": n_params,
         "config": config,
         "checkpoint": checkpoint,
+        "drafter": drafter,
         "verdict": "OK" if error is None else "INVALID",
         "error": error,
         "routed_quant_bits": layout.routed_quant_bits if layout else routed_quant_bits(f),
@@ -178,6 +183,31 @@ def inspect_file(f: GGUFFile) -> dict[str, Any]:
         "blas": blas_status(),
         "native_experts": native_status(),
     }
+
+
+def _drafter(f: GGUFFile) -> dict[str, Any] | None:
+    """For a speculative-decoding drafter file (``mtp.*`` tensors and no model tensors): its kind,
+    the checkpoint it belongs to and its layout checked against the dims its own tensors imply (a
+    load checks them against the target's); None for any other file."""
+    from ds4_mlx.errors import LayoutError
+    from ds4_mlx.formats.drafter_layout import DrafterKind, drafter_kind, validate_drafter_file
+
+    names = f.tensors
+    if not any(n.startswith("mtp.") for n in names) or "token_embd.weight" in names or \
+            any(n.startswith("blk.") for n in names):
+        return None
+    out: dict[str, Any] = {"kind": None, "title": None, "belongs_to": None, "dims": None, "n_checked": 0,
+                           "error": None}
+    try:
+        kind = drafter_kind(f)
+        out.update(kind=kind.value, title=kind.title,
+                   belongs_to="preview" if kind is DrafterKind.MTP else "0731")
+        cfg, out["n_checked"] = validate_drafter_file(f, kind)
+        out["dims"] = {k: getattr(cfg, k) for k in ("n_embd", "n_hc", "n_head", "head_dim", "q_lora_rank",
+                                                    "n_expert", "n_ff_exp", "n_vocab")}
+    except LayoutError as exc:
+        out["error"] = str(exc)
+    return out
 
 
 def _checkpoint(f: GGUFFile) -> dict[str, Any]:
@@ -323,7 +353,18 @@ def format_text(info: dict[str, Any], show_tensors: bool = True) -> str:
     if ck is not None:
         w(f"checkpoint: {ck['title']} ({_clean(ck['decided_by'])}); thinking levels "
           f"{', '.join(ck['thinking_levels'])}, default {ck['thinking_default']}")
-    if info["verdict"] == "OK":
+    dr = info.get("drafter")
+    if dr is not None:
+        if dr["kind"] is not None:
+            dims = ", ".join(f"{k}={v}" for k, v in (dr["dims"] or {}).items())
+            w(f"drafter: {dr['title']} (for a {'Flash 0731' if dr['belongs_to'] == '0731' else 'preview'} "
+              f"target{'; ' + dims if dims else ''})")
+        if info["verdict"] == "OK":
+            w(f"layout: OK ({dr['n_checked']} tensors checked against the file's own dims; loading it "
+              f"checks them against the target's)")
+        else:
+            w(f"layout: INVALID: {_clean(info['error'])}")
+    elif info["verdict"] == "OK":
         lay = info["layout"]
         rt = lay["routed_types"]
         w(f"layout: OK ({lay['n_checked']} tensors checked)")

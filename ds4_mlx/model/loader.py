@@ -148,8 +148,12 @@ class _Weights:
         return self.expert_cls.from_gguf(self.f, name, **self.kw)
 
 
-def _block(cfg: ModelConfig, w: _Weights, il: int, ops: DefaultOps, gather=None) -> Block:
-    p = f"blk.{il}."
+def _block(cfg: ModelConfig, w: _Weights, il: int, ops: DefaultOps, gather=None, prefix: str | None = None,
+           hash_routed: bool | None = None) -> Block:
+    """Layer ``il`` from the tensors named ``blk.{il}.*``; ``prefix``: another name prefix (a
+    drafter's ``mtp.0.``, run as layer ``il``), ``hash_routed``: override ``cfg.is_hash_layer(il)``
+    (a drafter block routes by scores whatever layer it runs as)."""
+    p = f"blk.{il}." if prefix is None else prefix
     eps, n_hc = cfg.rms_eps, cfg.n_hc
     ratio = cfg.compress_ratio(il)
 
@@ -189,7 +193,8 @@ def _block(cfg: ModelConfig, w: _Weights, il: int, ops: DefaultOps, gather=None)
                      compressor=compressor, index_compressor=index_compressor, indexer=indexer, ops=ops)
 
     tid2eid = None
-    if cfg.is_hash_layer(il):
+    hashed = cfg.is_hash_layer(il) if hash_routed is None else hash_routed
+    if hashed:
         name = f"{p}ffn_gate_tid2eid.weight"
         if not w.has(name):
             raise LayoutError(f"{w.f.path}: hash layer {il} needs tensor {name!r}")

@@ -1,0 +1,149 @@
+"""The preview checkpoint's MTP head as a ``Drafter`` (``engine/drafter.py``'s protocol).
+
+The verifier (``engine/speculative.py``) owns the target's state and the accept/reject decision;
+the drafter only proposes. Its state always describes the *committed* history, never a rejected
+guess: ``propose`` runs on a copy of the drafter's window (arrays are immutable, the copy is free),
+so a rejection costs nothing and the state after ``accept`` is bit for bit a fresh drafter's given
+the same history (ds4-cpu numerics).
+
+Rows, as the protocol passes them: ``hidden[i]`` is the target's last-block HC row at the position
+*before* ``tokens[i]`` (the row whose logits chose it). ds4's MTP step at a committed position q
+takes the target's row *at* q and the token *at* q (docs/speculative.md), so row i is paired with
+the token at its own position: the previous token. Every committed position whose row the drafter
+got is *anchored* (the step ran on the target's row); the steps run in position order, so a
+position the verifier gave no row for (a plain decode step) is run recursively from the previous
+step's own output, as ds4 runs its drafts, when at most ``MAX_RECURSE`` of them separate two rows;
+a longer gap restarts the window at the next row (as a prefill leaves ds4's window empty). The
+last committed token never has its row yet (it predicts the next one), so a proposal first runs
+one recursive step over it: draft 0 continues the context, draft i recurses on draft i - 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from ds4_mlx.engine.drafter import Drafter
+from ds4_mlx.errors import InferenceError
+from ds4_mlx.model.mtp import DraftWindow, MTPHead
+
+# Committed positions without a target row that the drafter runs recursively (a gap between two
+# rows, the tokens since the last row at a proposal): ds4's longest recursion (--mtp-draft caps at
+# 16). Past that the recursive state says little about the target's; the window restarts instead.
+MAX_RECURSE = 16
+
+
+class MTPDrafter(Drafter):
+    """ds4's MTP drafter (``model.mtp.MTPHead``) driven by the verifier (module docstring)."""
+
+    wants_hidden = True
+
+    def __init__(self, head: MTPHead, target):
+        self.head, self.target = head, target
+        self.reset()
+
+    def reset(self) -> None:
+        self.tokens: list[int] = []
+        self.window: DraftWindow = self.head.empty_window()
+        self.end: int | None = None  # the steps ran for positions < end (None: no step yet)
+        self.state_hc: mx.array | None = None  # H_out of the step at end - 1
+
+    def close(self) -> None:
+        """Unmap the drafter file."""
+        self.head.close()
+
+    @property
+    def n_pending(self) -> int:
+        """Committed positions the drafter has not run yet (the last token's at least)."""
+        return len(self.tokens) - (self.end if self.end is not None else 0)
+
+    # -- the protocol ---------------------------------------------------------------------------------
+
+    def start(self, tokens: Sequence[int], hidden: mx.array | None) -> None:
+        toks = self._check_tokens(tokens, "MTP drafter start")
+        h = None if hidden is None else self._rows(hidden, "MTP drafter start")
+        if h is not None and h.shape[0] > max(len(toks) - 1, 0):
+            raise InferenceError(f"MTP drafter start: {h.shape[0]} hidden rows for {len(toks)} tokens: the rows "
+                                 f"predict the last tokens, so at most {max(len(toks) - 1, 0)}")
+        self.reset()
+        self.tokens = toks
+        if h is not None and h.shape[0]:
+            self._ingest(len(toks) - h.shape[0] - 1, h)
+
+    def accept(self, tokens: Sequence[int], hidden: mx.array | None) -> None:
+        toks = self._check_tokens(tokens, "MTP drafter accept")
+        h = None if hidden is None else self._rows(hidden, "MTP drafter accept")
+        if h is not None and h.shape[0] != len(toks):
+            raise InferenceError(f"MTP drafter accept: {h.shape[0]} hidden rows for {len(toks)} tokens "
+                                 f"(one row per token: the row that chose it)")
+        if h is not None and h.shape[0] and not self.tokens:
+            raise InferenceError("MTP drafter accept: rows before any context (start() first)")
+        first = len(self.tokens) - 1  # the position of the row that chose tokens[0]
+        self.tokens.extend(toks)
+        if h is not None and h.shape[0]:
+            self._ingest(first, h)
+
+    def propose(self, k: int) -> list[int]:
+        if k <= 0 or self.end is None or not 0 < self.n_pending <= MAX_RECURSE:
+            return []  # no state yet, or too far past it: the verifier's next rows restart it
+        head, target = self.head, self.target
+        window, H, logits = self.window.copy(), self.state_hc, None
+        for q in range(self.end, len(self.tokens)):  # the committed tokens not run yet, recursively
+            H, logits = head.run(target, [self.tokens[q]], H[None], window, q, logits=q == len(self.tokens) - 1)
+        drafts = [int(np.argmax(logits))]
+        pos = len(self.tokens)
+        while len(drafts) < k:
+            H, logits = head.run(target, [drafts[-1]], H[None], window, pos)
+            drafts.append(int(np.argmax(logits)))
+            pos += 1
+        return drafts
+
+    # -- inside -----------------------------------------------------------------------------------------
+
+    def _ingest(self, q0: int, h: mx.array) -> None:
+        """The target's rows h for positions q0..q0+r-1: fill the gap since the last step (recursively,
+        or restart the window), then the anchored steps as one chunk. Only the last n_swa of them can
+        reach a later query, so a longer run restarts the window with those (the same rows and
+        outputs: a KV row depends on its own position's input only). The committed state changes
+        only once every step succeeded."""
+        head = self.head
+        r, n_swa = int(h.shape[0]), head.config.n_swa
+        window, H, end = self.window.copy(), self.state_hc, self.end
+        if end is not None and q0 < end:
+            raise InferenceError(f"MTP drafter: rows for position {q0}, but it ran up to {end - 1} already")
+        if end is None or q0 - end > MAX_RECURSE or r >= n_swa:
+            window, H = head.empty_window(), None
+            if r > n_swa:
+                q0, h, r = q0 + r - n_swa, h[r - n_swa:], n_swa
+        else:
+            for q in range(end, q0):  # positions without rows: ds4's recursion
+                H, _ = head.run(self.target, [self.tokens[q]], H[None], window, q, logits=False)
+        H, _ = head.run(self.target, self.tokens[q0: q0 + r], h, window, q0, logits=False)
+        self.window, self.state_hc, self.end = window, H, q0 + r
+
+    def _rows(self, hidden, what: str) -> mx.array:
+        cfg = self.head.config
+        h = hidden if isinstance(hidden, mx.array) else mx.array(np.asarray(hidden, dtype=np.float32))
+        if h.ndim != 3 or tuple(h.shape[1:]) != (cfg.n_hc, cfg.n_embd):
+            raise InferenceError(f"{what}: hidden rows must be [n, {cfg.n_hc}, {cfg.n_embd}] (the target's last-block "
+                                 f"HC stream), got shape {tuple(h.shape)}")
+        return h.astype(mx.float32)
+
+    def _check_tokens(self, tokens: Sequence[int], what: str) -> list[int]:
+        out = [int(t) for t in tokens]
+        n_vocab = self.head.config.n_vocab
+        bad = [t for t in out if not 0 <= t < n_vocab]
+        if bad:
+            raise InferenceError(f"{what}: token id {bad[0]} is outside the vocabulary 0..{n_vocab - 1}")
+        return out
+
+
+def load_mtp_drafter(path, target, checkpoint=None, backend: str | None = None) -> MTPDrafter:
+    """An ``MTPDrafter`` for ``target`` (a loaded ``Model``) from the drafter GGUF at ``path``
+    (``model.drafter_loader.load_drafter``: validated, refused with a DrafterError when it does not
+    belong to the target; ``checkpoint``: the target's, as the engine decided it)."""
+    from ds4_mlx.model.drafter_loader import load_drafter
+
+    return MTPDrafter(load_drafter(path, target, checkpoint, backend), target)

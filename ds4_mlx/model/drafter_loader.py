@@ -1,0 +1,102 @@
+"""Open a speculative-decoding drafter GGUF for a loaded target model: check it belongs to it, build it.
+
+A drafter is validated like the main file (``formats.drafter_layout``: every tensor ds4 binds, its
+type and dims, here derived from the *target's* config) and refused with a ``DrafterError`` when it
+does not belong to the target: the preview's MTP head with a Flash 0731 target, the DSpark file with
+a preview target, another model's dims, a main model file passed as the drafter. The MTP head is
+built by the target loader's weight-by-name code (``loader._block`` with the ``mtp.0.`` prefix).
+"""
+
+from __future__ import annotations
+
+import os
+
+from ds4_mlx.errors import DrafterError
+from ds4_mlx.formats.checkpoint import Checkpoint, detect_checkpoint, parse_checkpoint
+from ds4_mlx.formats.config import ModelConfig
+from ds4_mlx.formats.drafter_layout import MTP_PREFIX, DrafterKind, drafter_kind, validate_drafter_layout
+from ds4_mlx.formats.gguf import GGUFFile
+from ds4_mlx.model.hyper_connection import OutputHC
+from ds4_mlx.model.loader import _block, _Weights
+from ds4_mlx.model.mtp import MTP_LAYER, MTPHead
+
+# Metadata a drafter may declare (ds4 reads none from the MTP file); when present it must agree
+# with the target's config.
+_DIM_KEYS = {"deepseek4.embedding_length": "n_embd", "deepseek4.vocab_size": "n_vocab",
+             "deepseek4.expert_count": "n_expert", "deepseek4.hyper_connection.count": "n_hc"}
+
+
+def _check_metadata(f: GGUFFile, cfg: ModelConfig) -> None:
+    arch = f.metadata.get("general.architecture")
+    if arch is not None and arch != "deepseek4":
+        raise DrafterError(f"{f.path}: general.architecture is {str(arch)[:40]!r}, not 'deepseek4': "
+                           f"not a DeepSeek V4 Flash drafter")
+    for key, field in _DIM_KEYS.items():
+        v = f.metadata.get(key)
+        if v is not None and v != getattr(cfg, field):
+            raise DrafterError(f"{f.path}: metadata {key} is {str(v)[:24]}, the loaded model's {field} is "
+                               f"{getattr(cfg, field)}: the drafter belongs to a model of other dims")
+
+
+def _check_checkpoint(f: GGUFFile, kind: DrafterKind, checkpoint: Checkpoint) -> None:
+    if kind is DrafterKind.MTP and checkpoint is Checkpoint.F0731:
+        raise DrafterError(f"{f.path}: {kind.title} belongs to the preview checkpoint, but the loaded model is "
+                           f"{checkpoint.title}; its drafter is the DSpark file (ds4f-dspark)")
+    if kind is DrafterKind.DSPARK and checkpoint is Checkpoint.PREVIEW:
+        raise DrafterError(f"{f.path}: {kind.title} belongs to Flash 0731, but the loaded model is "
+                           f"{checkpoint.title}; its drafter is the MTP head (preview-mtp)")
+
+
+def open_drafter(path: str | os.PathLike, target, checkpoint=None) -> tuple[GGUFFile, DrafterKind]:
+    """Open and validate the drafter at ``path`` for ``target`` (a loaded ``Model``); ``checkpoint``:
+    the target's ("preview" / "0731"; None: decided from the target's file as the engine does).
+    Returns the open, guarded file and its kind; closes it and raises on any problem."""
+    cfg = target.config
+    if checkpoint is None:
+        checkpoint = detect_checkpoint(target.source.metadata, target.source.path).checkpoint
+    checkpoint = parse_checkpoint(checkpoint)
+    f = GGUFFile(path)
+    try:
+        kind = drafter_kind(f)
+        _check_checkpoint(f, kind, checkpoint)
+        _check_metadata(f, cfg)
+        validate_drafter_layout(f, cfg, kind)
+        f.guard()
+    except BaseException:
+        f.close()
+        raise
+    return f, kind
+
+
+def load_drafter(path: str | os.PathLike, target, checkpoint=None, backend: str | None = None) -> MTPHead:
+    """The drafter at ``path`` built for ``target`` (``open_drafter`` checks it). Only the preview's
+    MTP head runs in ds4-mlx; a valid DSpark file is refused with what is missing."""
+    if getattr(target, "group", None) is not None or target.output is None or target.output_hc is None:
+        raise DrafterError("a drafter needs a single-process target model (it shares its embedding and "
+                           "output matrix); a pipeline or expert-parallel rank cannot draft")
+    cfg = target.config
+    if cfg.n_layer <= MTP_LAYER or cfg.compress_ratio(MTP_LAYER) != 0:
+        raise DrafterError(f"the loaded model's layer {MTP_LAYER} is not a dense layer; ds4 runs the MTP block "
+                           f"with that layer's attention (raw window only) and RoPE")
+    f, kind = open_drafter(path, target, checkpoint)
+    try:
+        if kind is DrafterKind.DSPARK:
+            raise DrafterError(f"{f.path}: a valid DSpark drafter layout, but ds4-mlx does not run DSpark drafting "
+                               f"yet (docs/speculative.md: what is missing)")
+        ops = target.ops
+        w = _Weights(f, backend, target.expert_strategy)
+        p = MTP_PREFIX
+        head = MTPHead(
+            cfg, ops,
+            e_proj=w.dense(p + "e_proj.weight"), h_proj=w.dense(p + "h_proj.weight"),
+            enorm=w.f32(p + "enorm.weight", (cfg.n_embd,)), hnorm=w.f32(p + "hnorm.weight", (cfg.n_embd,)),
+            norm=w.f32(p + "norm.weight", (cfg.n_embd,)),
+            output_hc=OutputHC(w.dense(p + "hc_head_fn.weight"), w.f32(p + "hc_head_scale.weight", (1,)),
+                               w.f32(p + "hc_head_base.weight", (cfg.n_hc,)), cfg.hc_eps, cfg.rms_eps, ops),
+            block=_block(cfg, w, MTP_LAYER, ops, prefix=p, hash_routed=False),
+            source=f)
+        f.check_intact()
+        return head
+    except BaseException:
+        f.close()
+        raise
