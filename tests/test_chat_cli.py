@@ -267,3 +267,24 @@ def test_pty_prompt_stream_ctrl_c_and_ctrl_d(tiny_model_path, tmp_path, expected
     assert status == 0, text
     assert "Traceback" not in text and "partial answer stays" in text
     assert (tmp_path / "cache" / "ds4-mlx" / "chat_history").read_text().strip().endswith(U1)
+
+
+def test_chat_speculates_with_the_mtp_drafter_and_answers_the_same(monkeypatch, capsys, tmp_path, tiny_model_path,
+                                                                   expected):
+    """``chat --mtp FILE``: two turns, a /save and a /load with the preview's MTP drafter (the file
+    the generator writes for the tiny model): the same answers as plain decoding, drafts counted in
+    each stats line, and the saved session holds no draft state (it loads and speculates again)."""
+    from ds4_mlx.synth import preset_config
+    from ds4_mlx.synth_drafter import write_tiny_drafter
+
+    mtp = tmp_path / "tiny-mtp.gguf"
+    write_tiny_drafter(preset_config("tiny"), mtp, "mtp")
+    answers, prompts = expected
+    rc, out, err = _chat(monkeypatch, capsys, tmp_path, tiny_model_path, ["/nothink", U1, "/save spec"],
+                         "--mtp", str(mtp), "--draft-k", "3")
+    assert rc == 0 and _answers(out) == answers[:1], err
+    assert "draft:" in err
+    rc, out, err = _chat(monkeypatch, capsys, tmp_path, tiny_model_path, ["/load spec", U2],
+                         "--mtp", str(mtp), "--draft-k", "3")
+    assert rc == 0 and _answers(out) == answers[1:], err
+    assert "draft:" in err
