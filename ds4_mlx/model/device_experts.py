@@ -150,13 +150,18 @@ class DeviceExpertWeights(ExpertWeights):
         self.pairs += P
         self.bytes_selected += P * self.expert_nbytes  # a token's k experts are distinct
         slot = ids.reshape(P).astype(mx.int32)
-        x_rows = (x if x.shape[1] == k else mx.broadcast_to(x, (T, k, n_in))).reshape(P, n_in)
-        if self.use_kernels:
-            y = metal_kernels.expert_matvec_kernel_ids(self.blocks, self.qtype, x_rows, slot,
-                                                        mx.arange(P, dtype=mx.int32))
-        else:
-            y = expert_matvec_twin_ids(self.blocks, self.qtype, x_rows, slot)
-        return y.reshape(T, k, out_dim)
+        return matvec_pairs(self.blocks, self.qtype, x, slot, self.use_kernels).reshape(T, k, out_dim)
+
+
+def matvec_pairs(blocks: mx.array, qtype, x: mx.array, slot: mx.array, use_kernels: bool) -> mx.array:
+    """x [T, 1 or k, n_in] times the blocks at ``slot`` [T*k] (one expert's rows per token-expert
+    pair, in pair order) -> [T*k, out]: the Metal matvec kernel, or its MLX-ops twin elsewhere.
+    ``blocks``: every expert's (``DeviceExpertWeights``) or a bounded cache's slots (``expert_cache``)."""
+    T, P, n_in = x.shape[0], slot.shape[0], x.shape[-1]
+    x_rows = (x if x.shape[1] * T == P else mx.broadcast_to(x, (T, P // T, n_in))).reshape(P, n_in)
+    if use_kernels:
+        return metal_kernels.expert_matvec_kernel_ids(blocks, qtype, x_rows, slot, mx.arange(P, dtype=mx.int32))
+    return expert_matvec_twin_ids(blocks, qtype, x_rows, slot)
 
 
 def expert_matvec_twin_ids(blocks: mx.array, qtype, x_rows: mx.array, slot: mx.array) -> mx.array:

@@ -47,8 +47,7 @@ import mlx.core as mx
 import numpy as np
 
 from ds4_mlx.errors import LayoutError
-from ds4_mlx.model import metal_kernels
-from ds4_mlx.model.device_experts import DEVICE_MAX_PAIRS, DeviceExpertWeights, expert_matvec_twin_ids
+from ds4_mlx.model.device_experts import DEVICE_MAX_PAIRS, DeviceExpertWeights, matvec_pairs
 from ds4_mlx.model.expert_budget import CachePlan
 from ds4_mlx.model.expert_cache_policy import DEFAULT_POLICY, POLICIES, SlotPolicy, make_policy
 from ds4_mlx.model.experts import ExpertCache, ExpertWeights, check_expert_call
@@ -260,7 +259,7 @@ class CachedDeviceExpertWeights(DeviceExpertWeights):
         """x [T, k|1, in], ids [T, k] -> [T, k, out] in DEFAULT numerics (see the module docstring)."""
         ids_np = self._planned(x, ids)
         T, k = ids_np.shape
-        out_dim, n_in = self.shape[1], self.shape[2]
+        out_dim = self.shape[1]
         P = T * k
         slot_of_pair = self._plan.slots[self._plan.inverse] if P else np.zeros(0, dtype=np.int64)
         if P == 0 or P > DEVICE_MAX_PAIRS or (slot_of_pair < 0).any():
@@ -271,13 +270,7 @@ class CachedDeviceExpertWeights(DeviceExpertWeights):
         self.pairs += P
         self.bytes_selected += P * self.expert_nbytes
         slot = mx.array(slot_of_pair.astype(np.int32))
-        x_rows = (x if x.shape[1] == k else mx.broadcast_to(x, (T, k, n_in))).reshape(P, n_in)
-        if self.use_kernels:
-            y = metal_kernels.expert_matvec_kernel_ids(self.slots, self.qtype, x_rows, slot,
-                                                        mx.arange(P, dtype=mx.int32))
-        else:
-            y = expert_matvec_twin_ids(self.slots, self.qtype, x_rows, slot)
-        return y.reshape(T, k, out_dim)
+        return matvec_pairs(self.slots, self.qtype, x, slot, self.use_kernels).reshape(T, k, out_dim)
 
     def ds4_cpu(self, x: mx.array, ids) -> mx.array:
         """ds4's CPU arithmetic (``ExpertWeights.ds4_cpu``) on blocks from the slots: the same bits."""
