@@ -5,10 +5,11 @@ DSpark file, in the real tensor layouts (``formats.drafter_layout``) at the mode
   [mtp_weights_bind], routed experts Q4_K, projections and shared experts Q8_0, everything else
   F32 (the file's name lists no F16: its plain HC mixers, router and head mix are F32 here).
 * DSpark, as the 0731 support file: ``mtp.0.main_proj``/``main_norm``, three blocks, the last
-  stage's head, Markov factors (BF16 [256, vocab]) and confidence projection (BF16 [n_embd + 256]).
-  ds4-mlx validates it but does not run it; the file exists for the refusal and layout tests.
+  stage's head, Markov factors (BF16 [256, vocab]) and confidence projection (BF16 [n_embd + 256]),
+  and its ``deepseek4.dspark.*`` parameters: ds4's (block 5, rank 256, noise token 128799, target
+  layers 40-42) where the model is big enough, else the last token id and the last three layers.
 
-Metadata: ds4 reads none from a drafter; these files carry ``general.*`` and the dims the loader
+Metadata: ds4 reads none from an MTP file; these files carry ``general.*`` and the dims the loader
 cross-checks with the target (``model.drafter_loader``: embedding_length, vocab_size, expert_count,
 hyper_connection.count). Content follows ``synth``'s conventions (each tensor's values decided by
 its name and the seed), so the same config always gives the same bytes.
@@ -22,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from ds4_mlx.formats.drafter_layout import DSPARK_MARKOV_RANK, DSPARK_STAGES, DSPARK_TARGET_LAYERS, MTP_PREFIX
+from ds4_mlx.formats.drafter_layout import (DSPARK_BLOCK, DSPARK_MARKOV_RANK, DSPARK_NOISE_TOKEN, DSPARK_STAGES,
+                                            DSPARK_TARGET_LAYERS, MTP_PREFIX)
 from ds4_mlx.formats.ggml_types import GGMLType
 from ds4_mlx.formats.gguf import ValueType
 from ds4_mlx.formats.gguf_writer import GGUFWriter
@@ -95,9 +97,20 @@ def write_tiny_drafter(cfg: TinyModelConfig, out: str | os.PathLike, kind: str =
         (f"{ARCH}.expert_count", U32, cfg.n_expert),
         (f"{ARCH}.hyper_connection.count", U32, cfg.n_hc),
     ]
+    if kind == "dspark":
+        # ds4's defaults (noise 128799, layers 40-42) need the real vocabulary and depth; a smaller
+        # model's file names its own: the last token id, the last three layers
+        noise = DSPARK_NOISE_TOKEN if cfg.n_vocab > DSPARK_NOISE_TOKEN else cfg.n_vocab - 1
+        n_tap = len(DSPARK_TARGET_LAYERS)
+        layers = DSPARK_TARGET_LAYERS if cfg.n_layer > max(DSPARK_TARGET_LAYERS) else \
+            tuple(range(max(cfg.n_layer - n_tap, 0), cfg.n_layer))
+        meta += [(f"{ARCH}.dspark.block_size", U32, DSPARK_BLOCK),
+                 (f"{ARCH}.dspark.markov_rank", U32, DSPARK_MARKOV_RANK),
+                 (f"{ARCH}.dspark.noise_token_id", U32, noise),
+                 (f"{ARCH}.dspark.target_layers", ValueType.ARRAY, list(layers), U32)]
     with GGUFWriter(out) as w:
-        for key, vtype, value in meta:
-            w.add(key, vtype, value)
+        for key, vtype, value, *sub in meta:
+            w.add(key, vtype, value, *sub)
         for spec in plan:
             w.add_tensor(spec.name, spec.ggml_type, spec.ne)
         w.write_header()

@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mtp-out", default=None,
                     help="also write the model's MTP drafter head here (the preview-mtp file's layout)")
     ap.add_argument("--dspark-out", default=None,
-                    help="also write a DSpark drafter file here (the 0731 ds4f-dspark layout; validated, not run)")
+                    help="also write a DSpark drafter file here (the 0731 ds4f-dspark layout, for a 0731 target)")
     return ap
 
 

@@ -230,11 +230,12 @@ def test_dspark_refused_for_a_preview_target(files, cpu_target):
     assert "0731" in one_line(e.value) and "preview-mtp" in str(e.value)
 
 
-def test_dspark_validated_but_not_run(files):
+def test_dspark_file_is_not_an_mtp_head(files):
+    """A 0731 target loads the DSpark file (tests/test_dspark.py runs it); the MTP loader names it."""
     target = load(files["f0731"], numerics="ds4-cpu")
     with pytest.raises(DrafterError) as e:
         load_mtp_drafter(files["dspark"], target)
-    assert "valid DSpark" in one_line(e.value) and "does not run" in str(e.value)
+    assert "a DSpark drafter, not an MTP head" in one_line(e.value)
 
 
 def test_other_dims_refused(files, cpu_target):

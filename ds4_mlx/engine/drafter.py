@@ -19,6 +19,10 @@ The calls, in the order the speculator makes them during one generation:
                                      that chose them returned no rows (a plain decode step)
     propose(k)                       up to k tokens continuing the context (…, x); [] = no guess
 
+A drafter that reads other layers than the last (DSpark: the outputs of layers 40-42) names them in
+``taps``; its rows are then those layers' HC-stream means [n, len(taps), n_embd] at the same
+positions (``Model.forward_verify``'s taps: the same forward, no second pass).
+
 So ``len(hidden) == len(tokens)`` whenever hidden is given, and ``(hidden[-1], tokens[-1])`` is the
 pair ds4's MTP head takes (the target's state at position p and the token at p + 1) to draft the
 token at p + 2. Rejected drafts are never passed back: a drafter that keeps state per draft
@@ -38,9 +42,11 @@ import mlx.core as mx
 
 
 class Drafter(abc.ABC):
-    """The protocol (module docstring). ``wants_hidden``: the speculator passes the target's rows."""
+    """The protocol (module docstring). ``wants_hidden``: the speculator passes the target's rows;
+    ``taps``: the layers whose HC-mean outputs those rows are (None: the last block's HC rows)."""
 
     wants_hidden: bool = False
+    taps: tuple[int, ...] | None = None
 
     @abc.abstractmethod
     def reset(self) -> None:

@@ -144,6 +144,11 @@ def load_mtp_drafter(path, target, checkpoint=None, backend: str | None = None) 
     """An ``MTPDrafter`` for ``target`` (a loaded ``Model``) from the drafter GGUF at ``path``
     (``model.drafter_loader.load_drafter``: validated, refused with a DrafterError when it does not
     belong to the target; ``checkpoint``: the target's, as the engine decided it)."""
+    from ds4_mlx.errors import DrafterError
     from ds4_mlx.model.drafter_loader import load_drafter
 
-    return MTPDrafter(load_drafter(path, target, checkpoint, backend), target)
+    head = load_drafter(path, target, checkpoint, backend)
+    if not isinstance(head, MTPHead):
+        head.close()
+        raise DrafterError(f"{path}: a DSpark drafter, not an MTP head (engine.dspark_drafter runs it)")
+    return MTPDrafter(head, target)

@@ -301,16 +301,17 @@ class Session:
 
     # -- speculative verify ----------------------------------------------------------------------------
 
-    def verify(self, tokens: Sequence[int]) -> tuple[mx.array, mx.array]:
+    def verify(self, tokens: Sequence[int], taps: Sequence[int] | None = None) -> tuple[mx.array, mx.array]:
         """Feed ``tokens`` (1 .. n_swa of them) as one speculative verify chunk: returns the logits of
-        every position [L, n_vocab] and the target's last-block rows [L, n_hc, n_embd] (evaluated).
+        every position [L, n_vocab] and the target's last-block rows [L, n_hc, n_embd] (evaluated;
+        ``taps``: those layers' HC-mean rows [L, len(taps), n_embd] instead, ``Model.forward_verify``).
         The session then holds all L tokens until ``commit(n)`` keeps the first n; until then it
         refuses snapshots, payloads and feeds, so no saved state ever holds a draft
         (``engine/speculative.py`` drives this)."""
         toks = self._check_tokens(tokens)
         if self.pos + len(toks) > self.ctx:
             raise InferenceError(f"context overflow: {self.pos} + {len(toks)} tokens > ctx {self.ctx}")
-        return self._rt.verify(toks)
+        return self._rt.verify(toks, taps)
 
     def commit(self, n: int) -> None:
         """Keep the first ``n`` tokens of the pending verify; the state is then exactly the one plain

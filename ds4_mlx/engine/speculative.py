@@ -69,15 +69,21 @@ def check_draft_path(draft) -> None:
 
 
 def load_drafter(path, model) -> Drafter:
-    """The drafter stored at ``path`` for ``model`` (an ``Engine``): ds4's MTP GGUF (the preview's
-    head, ``engine.mtp_drafter``), validated against the loaded model and its checkpoint; a DSpark
-    file, another checkpoint's or other dims' drafter, or a main model file is a one-line
-    ``DrafterError`` (``model.drafter_loader``)."""
-    from ds4_mlx.engine.mtp_drafter import load_mtp_drafter
+    """The drafter stored at ``path`` for ``model`` (an ``Engine``), validated against the loaded
+    model and its checkpoint: the preview's MTP head (``engine.mtp_drafter``) or 0731's DSpark file
+    (``engine.dspark_drafter``); another checkpoint's or other dims' drafter, or a main model file,
+    is a one-line ``DrafterError`` (``model.drafter_loader``)."""
+    from ds4_mlx.engine.dspark_drafter import DSparkDrafter
+    from ds4_mlx.engine.mtp_drafter import MTPDrafter
+    from ds4_mlx.model.drafter_loader import load_drafter as load_head
+    from ds4_mlx.model.dspark import DSparkHead
 
     p = os.fspath(path)
     check_draft_path(p)
-    return load_mtp_drafter(p, model.network, checkpoint=model.checkpoint)
+    head = load_head(p, model.network, checkpoint=model.checkpoint)
+    if isinstance(head, DSparkHead):
+        return DSparkDrafter(head, model.network)
+    return MTPDrafter(head, model.network)
 
 
 def check_draft_k(k) -> int:
@@ -312,7 +318,7 @@ class Speculator:
         # (a drafter that wants rows and had none to draft from gets a one-token verify: its rows)
         chunk = [token] + drafts
         self._timed_k = len(drafts) or None  # (a one-token verify for rows is not a cost sample)
-        rows, hidden = self.session.verify(chunk)
+        rows, hidden = self.session.verify(chunk, self.drafter.taps if self.drafter.wants_hidden else None)
         self.stats.verifies += 1
         self.stats.drafted += len(drafts)
         self._chunk, self._fed = chunk, 1

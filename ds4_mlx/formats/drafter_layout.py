@@ -8,8 +8,7 @@ Two drafter files exist, each belonging to one checkpoint (docs/speculative.md):
   the output matrix are the target's, so the file holds neither.
 * 0731's DSpark file (``DeepSeek-V4-Flash-DSpark-support-0731.gguf``): three ``mtp.<stage>.*``
   blocks, a main projection of three target layers' states, a Markov head and a confidence head
-  [dspark_weights_bind]. ds4-mlx checks its layout but does not run it (docs/speculative.md says
-  what is missing).
+  [dspark_weights_bind], and the optional ``deepseek4.dspark.*`` parameters (``dspark_params``).
 
 Every shape comes from the target's ``ModelConfig``: a drafter is validated against the model it
 drafts for, so the same rules serve the real 4096-wide files and the small generated ones.
@@ -21,7 +20,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from ds4_mlx.errors import DrafterError
 from ds4_mlx.formats.config import FIXED_SWIGLU_CLAMP, REAL_FLASH, ModelConfig
@@ -39,6 +38,7 @@ DSPARK_STAGES = 3  # mtp.0 .. mtp.2 [the DSpark contract ds4 encodes]
 DSPARK_MARKOV_RANK = 256
 DSPARK_TARGET_LAYERS = (40, 41, 42)  # the target layers whose states feed main_proj
 DSPARK_BLOCK = 5  # tokens one DSpark proposal drafts
+DSPARK_NOISE_TOKEN = 128799  # the block's filler token after the anchor
 DSPARK_PARTS = (".main_proj.", ".markov_head.", ".confidence_head.")  # ds4's DSpark markers
 
 
@@ -180,6 +180,63 @@ def validate_drafter_layout(f: GGUFFile, cfg: ModelConfig, kind: DrafterKind) ->
     return len(expected)
 
 
+@dataclass(frozen=True)
+class DSparkParams:
+    """A DSpark file's parameters (``deepseek4.dspark.*`` metadata, ds4's defaults when absent)."""
+
+    block_size: int
+    noise_token_id: int
+    target_layers: tuple[int, ...]
+
+
+# ds4's key aliases, the first present wins [model_dspark_summary]
+_DSPARK_KEYS = ("deepseek4.dspark.{}", "deepseek4.dspark_{}", "dspark.{}")
+MAX_DSPARK_BLOCK = 16  # ds4's DS4_DSPARK_MAX_BLOCK_SIZE bound on a proposal
+
+
+def _dspark_meta(f: GGUFFile, key: str):
+    for k in _DSPARK_KEYS:
+        if k.format(key) in f.metadata:
+            return k.format(key), f.metadata[k.format(key)]
+    return None, None
+
+
+def dspark_params(f: GGUFFile, cfg: ModelConfig) -> DSparkParams:
+    """The DSpark file's block size, noise token and target layers, checked against the target
+    ``cfg``: the metadata when present, else ds4's defaults (block 5, noise 128799, layers 40-42,
+    which a target of fewer layers or a smaller vocabulary cannot take: a DrafterError names it)."""
+
+    def integer(key: str, default: int) -> int:
+        k, v = _dspark_meta(f, key)
+        if k is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise DrafterError(f"{f.path}: metadata {k} is {str(v)[:24]!r}, not an integer")
+        return int(v)
+
+    block = integer("block_size", DSPARK_BLOCK)
+    if not 1 <= block <= MAX_DSPARK_BLOCK:
+        raise DrafterError(f"{f.path}: DSpark block size {block} is outside 1..{MAX_DSPARK_BLOCK}")
+    rank = integer("markov_rank", DSPARK_MARKOV_RANK)
+    if rank != DSPARK_MARKOV_RANK:
+        raise DrafterError(f"{f.path}: DSpark Markov rank {rank}, ds4 runs rank {DSPARK_MARKOV_RANK}")
+    noise = integer("noise_token_id", DSPARK_NOISE_TOKEN)
+    if not 0 <= noise < cfg.n_vocab:
+        raise DrafterError(f"{f.path}: DSpark noise token {noise} is outside the loaded model's vocabulary "
+                           f"0..{cfg.n_vocab - 1}")
+    k, v = _dspark_meta(f, "target_layers")
+    layers = DSPARK_TARGET_LAYERS
+    if k is not None:
+        if not isinstance(v, (list, tuple)) or any(isinstance(x, bool) or not isinstance(x, int) for x in v):
+            raise DrafterError(f"{f.path}: metadata {k} is not a list of layer indices")
+        layers = tuple(int(x) for x in v)
+    if len(layers) != len(DSPARK_TARGET_LAYERS) or len(set(layers)) != len(layers) \
+            or any(not 0 <= il < cfg.n_layer for il in layers):
+        raise DrafterError(f"{f.path}: DSpark target layers {list(layers)} are not {len(DSPARK_TARGET_LAYERS)} "
+                           f"distinct layers of the loaded model (0..{cfg.n_layer - 1})")
+    return DSparkParams(block, noise, layers)
+
+
 def self_config(f: GGUFFile, kind: DrafterKind, base: ModelConfig | None = None) -> ModelConfig:
     """``base`` (default: the real Flash config, with the vocabulary the file declares, if any) with
     the dims a drafter file implies by its own tensors (n_embd, n_hc, the expert and attention
@@ -225,4 +282,5 @@ def validate_drafter_file(f: GGUFFile, kind: DrafterKind) -> tuple[ModelConfig, 
 
 
 __all__ = ["DrafterKind", "drafter_kind", "mtp_tensors", "dspark_tensors", "validate_drafter_layout",
+           "DSparkParams", "dspark_params",
            "self_config", "validate_drafter_file", "MTP_PREFIX", "MTP_MARKER"]

@@ -223,8 +223,8 @@ def add_draft_options(p: argparse.ArgumentParser) -> None:
     ``Engine.open`` keywords."""
     g = p.add_argument_group("speculative decoding")
     g.add_argument("--draft", "--mtp", dest="draft", metavar="FILE", default=None,
-                   help="draft model (ds4's MTP GGUF): the target verifies its guesses in batches; the output "
-                        "is the one plain decoding gives")
+                   help="draft model (the preview's MTP GGUF, or 0731's DSpark file): the target verifies its "
+                        "guesses in batches; the output is the one plain decoding gives")
     g.add_argument("--draft-k", action=ranged(int, 1, MAX_DRAFT_K, why="the most drafts one verify step checks"),
                    default=None, metavar="N", help="most draft tokens per verify step (default 4; adaptive below it)")
 

@@ -4,7 +4,8 @@ A drafter is validated like the main file (``formats.drafter_layout``: every ten
 type and dims, here derived from the *target's* config) and refused with a ``DrafterError`` when it
 does not belong to the target: the preview's MTP head with a Flash 0731 target, the DSpark file with
 a preview target, another model's dims, a main model file passed as the drafter. The MTP head is
-built by the target loader's weight-by-name code (``loader._block`` with the ``mtp.0.`` prefix).
+built by the target loader's weight-by-name code (``loader._block`` with the ``mtp.0.`` prefix), the
+DSpark stages likewise (``mtp.0.`` .. ``mtp.2.``), both run as the dense layer ``MTP_LAYER``.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ import os
 from ds4_mlx.errors import DrafterError
 from ds4_mlx.formats.checkpoint import Checkpoint, detect_checkpoint, parse_checkpoint
 from ds4_mlx.formats.config import ModelConfig
-from ds4_mlx.formats.drafter_layout import MTP_PREFIX, DrafterKind, drafter_kind, validate_drafter_layout
+from ds4_mlx.formats.drafter_layout import (DSPARK_MARKOV_RANK, DSPARK_STAGES, MTP_PREFIX, DrafterKind,
+                                            drafter_kind, dspark_params, validate_drafter_layout)
 from ds4_mlx.formats.gguf import GGUFFile
 from ds4_mlx.model.hyper_connection import OutputHC
 from ds4_mlx.model.loader import _block, _Weights
+from ds4_mlx.model.dspark import DSparkHead, bf16_to_f32
 from ds4_mlx.model.mtp import MTP_LAYER, MTPHead
 
 # Metadata a drafter may declare (ds4 reads none from the MTP file); when present it must agree
@@ -68,9 +71,10 @@ def open_drafter(path: str | os.PathLike, target, checkpoint=None) -> tuple[GGUF
     return f, kind
 
 
-def load_drafter(path: str | os.PathLike, target, checkpoint=None, backend: str | None = None) -> MTPHead:
-    """The drafter at ``path`` built for ``target`` (``open_drafter`` checks it). Only the preview's
-    MTP head runs in ds4-mlx; a valid DSpark file is refused with what is missing."""
+def load_drafter(path: str | os.PathLike, target, checkpoint=None,
+                 backend: str | None = None) -> MTPHead | DSparkHead:
+    """The drafter at ``path`` built for ``target`` (``open_drafter`` checks it): the preview's MTP
+    head or 0731's DSpark stages and heads."""
     if getattr(target, "group", None) is not None or target.output is None or target.output_hc is None:
         raise DrafterError("a drafter needs a single-process target model (it shares its embedding and "
                            "output matrix); a pipeline or expert-parallel rank cannot draft")
@@ -80,11 +84,12 @@ def load_drafter(path: str | os.PathLike, target, checkpoint=None, backend: str 
                            f"with that layer's attention (raw window only) and RoPE")
     f, kind = open_drafter(path, target, checkpoint)
     try:
-        if kind is DrafterKind.DSPARK:
-            raise DrafterError(f"{f.path}: a valid DSpark drafter layout, but ds4-mlx does not run DSpark drafting "
-                               f"yet (docs/speculative.md: what is missing)")
         ops = target.ops
         w = _Weights(f, backend, target.expert_strategy)
+        if kind is DrafterKind.DSPARK:
+            head = _dspark_head(f, w, cfg, ops)
+            f.check_intact()
+            return head
         p = MTP_PREFIX
         head = MTPHead(
             cfg, ops,
@@ -100,3 +105,26 @@ def load_drafter(path: str | os.PathLike, target, checkpoint=None, backend: str 
     except BaseException:
         f.close()
         raise
+
+
+def _dspark_head(f: GGUFFile, w: _Weights, cfg: ModelConfig, ops) -> DSparkHead:
+    """DSpark's stages and heads bound by name [dspark_weights_bind]; every stage runs as the dense,
+    score-routed layer ``MTP_LAYER`` (ratio 0: base-theta RoPE without YaRN, as ds4 runs them)."""
+    params = dspark_params(f, cfg)
+    E, V, R = cfg.n_embd, cfg.n_vocab, DSPARK_MARKOV_RANK
+    last = f"mtp.{DSPARK_STAGES - 1}."
+
+    def bf16(name: str, shape: tuple[int, ...]):
+        return bf16_to_f32(f.tensor_array(name)).reshape(shape)
+
+    return DSparkHead(
+        cfg, ops, params,
+        main_proj=w.dense("mtp.0.main_proj.weight"), main_norm=w.f32("mtp.0.main_norm.weight", (E,)),
+        stages=[_block(cfg, w, MTP_LAYER, ops, prefix=f"mtp.{s}.", hash_routed=False) for s in range(DSPARK_STAGES)],
+        output_hc=OutputHC(w.dense(last + "hc_head_fn.weight"), w.f32(last + "hc_head_scale.weight", (1,)),
+                           w.f32(last + "hc_head_base.weight", (cfg.n_hc,)), cfg.hc_eps, cfg.rms_eps, ops),
+        norm=w.f32(last + "norm.weight", (E,)),
+        markov_w1=bf16(last + "markov_head.markov_w1.weight", (V, R)),
+        markov_w2=bf16(last + "markov_head.markov_w2.weight", (V, R)),
+        confidence=bf16(last + "confidence_head.proj.weight", (E + R,)),
+        source=f)

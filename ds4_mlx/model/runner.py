@@ -107,10 +107,11 @@ class Runner:
         """A verify chunk is held that ``commit`` has not cut back yet."""
         return self._pending is not None
 
-    def verify(self, tokens: Sequence[int]) -> tuple[mx.array, mx.array]:
+    def verify(self, tokens: Sequence[int], taps: Sequence[int] | None = None) -> tuple[mx.array, mx.array]:
         """Feed ``tokens`` (at most n_swa) as one speculative verify chunk (``Model.forward_verify``),
-        keeping the state before it: returns (logits [L, n_vocab], H [L, n_hc, n_embd]), both
-        evaluated. The runner holds all L tokens until ``commit(n)``."""
+        keeping the state before it: returns (logits [L, n_vocab], H [L, n_hc, n_embd] or, with
+        ``taps``, those layers' HC-mean rows [L, len(taps), n_embd]), both evaluated. The runner
+        holds all L tokens until ``commit(n)``."""
         toks = np.asarray(list(tokens), dtype=np.int64)
         if self._pending is not None:
             raise InferenceError("a verify is pending: commit it first")
@@ -119,7 +120,7 @@ class Runner:
         self._check(toks)
         self._settle()
         mark, n0 = self.state.mark(), len(self.tokens)
-        logits, H, self.state = self.model.forward_verify(toks, self.state)
+        logits, H, self.state = self.model.forward_verify(toks, self.state, taps)
         mx.eval(logits, H)
         self._pending = (mark, n0, logits)
         self.tokens.extend(int(t) for t in toks)

@@ -15,11 +15,13 @@ after the last block (what an MTP drafter reads), and a cache that can roll back
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import mlx.core as mx
 import numpy as np
 
 from ds4_mlx import allocator
-from ds4_mlx.errors import NonFiniteError
+from ds4_mlx.errors import InferenceError, NonFiniteError
 from ds4_mlx.formats.config import ModelConfig
 from ds4_mlx.model.attention import Attention
 from ds4_mlx.model.cache import ChunkAt, LayerCache, ModelCache
@@ -178,26 +180,51 @@ class Model:
         with self.ops.stream():
             return self._forward_chunk(tokens, cache, want_logits)[:2]
 
-    def forward_verify(self, tokens: np.ndarray, cache: ModelCache) -> tuple[mx.array, mx.array, ModelCache]:
+    def forward_verify(self, tokens: np.ndarray, cache: ModelCache,
+                       taps: Sequence[int] | None = None) -> tuple[mx.array, mx.array, ModelCache]:
         """A speculative verify chunk (at most n_swa tokens at cache.n_tokens..): (logits of every
         position [T, n_vocab], H after the last block [T, n_hc, n_embd] — the rows before the output
         HC mix, evaluated —, the cache after them, which ``ModelCache.rollback`` can cut back to any
         prefix of the chunk). The same computation as ``forward_chunk``; ``cache`` is left as it was.
+        ``taps``: layer indices whose outputs a drafter reads instead (DSpark): the second value is
+        then those layers' HC-mean rows [T, len(taps), n_embd] (``tap_rows``), from the same forward.
         A single-process model only."""
+        if taps is not None:
+            taps = self.check_taps(taps)
         if self.source is not None:
             self.source.check_intact()
         with self.ops.stream():
-            logits, out, H = self._forward_chunk(tokens, cache, "all", record=True)
+            tapped = None if taps is None else dict.fromkeys(taps)
+            logits, out, H = self._forward_chunk(tokens, cache, "all", record=True, tapped=tapped)
+            if taps is not None:
+                H = mx.stack([tapped[il] for il in taps], axis=1)
+                mx.eval(H)
         return logits, H, out
 
+    def check_taps(self, taps: Sequence[int]) -> tuple[int, ...]:
+        """``taps`` as a tuple of distinct layer indices of this model (InferenceError otherwise)."""
+        out = tuple(int(il) for il in taps)
+        n = self.config.n_layer
+        if not out or len(set(out)) != len(out) or any(not 0 <= il < n for il in out):
+            raise InferenceError(f"tap layers {list(out)}: need distinct layer indices in 0..{n - 1}")
+        return out
+
+    def tap_rows(self, H: mx.array) -> mx.array:
+        """A layer output H [T, n_hc, n_embd] -> its HC-stream mean [T, n_embd] (ds4's
+        ds4_gpu_dspark_hc_mean_reduce: weights 1/n_hc, in the HC pre-mix's summation order)."""
+        T, n_hc = H.shape[0], H.shape[1]
+        return self.ops.weighted_streams(H, mx.full((T, n_hc), 1.0 / n_hc, dtype=mx.float32))
+
     def _forward_chunk(self, tokens: np.ndarray, cache: ModelCache, want_logits: bool | str,
-                       record: bool = False) -> tuple[mx.array | None, ModelCache, mx.array]:
+                       record: bool = False, tapped: dict | None = None
+                       ) -> tuple[mx.array | None, ModelCache, mx.array]:
         tokens = np.asarray(tokens, dtype=np.int64)
         p0 = cache.n_tokens
         cache = cache.copy()  # on an error the caller keeps its cache untouched
         H = self.embed(tokens)
         # the embedding's finiteness rides with the first layer's evaluation
-        H = self.run_blocks(H, tokens, cache, [("the token embedding", all_finite(H))], record=record)
+        H = self.run_blocks(H, tokens, cache, [("the token embedding", all_finite(H))], record=record,
+                            tapped=tapped)
         logits = self._chunk_logits(H, tokens, p0, cache, want_logits)
         if logits is not None:
             ok = all_finite(logits)
@@ -217,10 +244,13 @@ class Model:
         return self.head(H[-1:])[0] if want_logits else None
 
     def run_blocks(self, H: mx.array, tokens: np.ndarray, cache: ModelCache,
-                   pending: list[tuple[str, mx.array]] | None = None, *, record: bool = False) -> mx.array:
+                   pending: list[tuple[str, mx.array]] | None = None, *, record: bool = False,
+                   tapped: dict | None = None) -> mx.array:
         """This model's blocks (all of them, or a pipeline rank's range) on a chunk H at positions
         ``cache.n_tokens``..; fills ``cache`` in place and advances it. ``pending``: earlier stages'
-        finiteness flags, checked with the first layer's. ``record``: a verify chunk (``ChunkAt``)."""
+        finiteness flags, checked with the first layer's. ``record``: a verify chunk (``ChunkAt``).
+        ``tapped``: a dict keyed by layer indices, its values set to ``tap_rows`` of those layers'
+        outputs (evaluated with the layer)."""
         p0 = cache.n_tokens
         cache.reserve(p0 + len(tokens) - 1)
         at = ChunkAt(p0, len(tokens), self.ops, record=record)
@@ -239,7 +269,11 @@ class Model:
             lc.bind(at)
             H = block(H, tokens, lc)
             pending.append((f"layer {block.il}", all_finite(H)))
-            mx.eval(H, *lc.arrays(), *(ok for _, ok in pending))
+            extra = []
+            if tapped is not None and block.il in tapped:
+                tapped[block.il] = self.tap_rows(H)
+                extra.append(tapped[block.il])
+            mx.eval(H, *lc.arrays(), *(ok for _, ok in pending), *extra)
             raise_nonfinite(pending, where, self.source)
             pending = []
             if release:
