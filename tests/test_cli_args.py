@@ -118,7 +118,8 @@ def test_version(capsys):
     assert main(["--version"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == f"ds4-mlx {ds4_mlx.__version__}"
-    assert len(lines) == 2 and lines[1].startswith(f"mlx {mx.__version__}, backend ")
+    assert len(lines) == 3 and lines[1].startswith(f"mlx {mx.__version__}, backend ")
+    assert lines[2].startswith("load plan: ") and "experts " in lines[2] and "kernels " in lines[2]
 
 
 def test_building_the_parser_loads_no_array_or_model_libraries():

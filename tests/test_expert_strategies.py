@@ -63,9 +63,12 @@ def test_bad_strategy_is_one_line_naming_it(tiny_model_path, bad):
 
 
 def test_auto_is_host_on_the_cpu_and_device_on_a_gpu(monkeypatch):
-    monkeypatch.setattr(device_experts, "gpu_backend", lambda: None)
-    assert resolve_strategy("auto") == "host"
-    monkeypatch.setattr(device_experts, "gpu_backend", lambda: "cuda")
+    from ds4_mlx.model import load_plan
+
+    monkeypatch.setattr(load_plan, "detect_backend", lambda: "cpu")  # the one detector
+    assert resolve_strategy("auto") == "host" and device_experts.gpu_backend() is None
+    monkeypatch.setattr(load_plan, "detect_backend", lambda: "cuda")
+    assert device_experts.gpu_backend() == "cuda"
     assert resolve_strategy("auto") == "device"
     assert resolve_strategy("host") == "host" and resolve_strategy("device") == "device"
 

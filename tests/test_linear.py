@@ -265,8 +265,9 @@ def test_default_backend_without_metal_is_cpu():
 
 def test_resolve_backend_names():
     assert resolve_backend("metal") is Backend.METAL and resolve_backend(Backend.CPU) is Backend.CPU
+    assert resolve_backend("cuda") is Backend.CUDA and Backend.CUDA.gpu and not Backend.CPU.gpu
     with pytest.raises(ValueError):
-        resolve_backend("cuda")
+        resolve_backend("rocm")
 
 
 def test_q8_0_to_affine_is_lossless():

@@ -383,6 +383,8 @@ def test_inspect_plan(capsys, tiny_model_path):
     assert main(["inspect", "--plan", str(tiny_model_path), "--experts", "device", "--ctx", "4096"]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
+    assert lines[0].startswith("load plan: numerics default, backend ") and "experts device" in lines[0]
+    lines = lines[1:]
     assert lines[0].startswith(f"memory plan: {tiny_model_path.name}, device experts, default numerics")
     assert lines[0].endswith("ctx 4096")
     for label in ("dense Q8_0 weights", "routed experts", "expert cache", "KV at ctx 4096", "scratch", "total",
@@ -395,6 +397,7 @@ def test_inspect_plan(capsys, tiny_model_path):
     assert main(["inspect", "--plan", str(tiny_model_path), "--simulate-memory", "0.05", "--json"]) == 1
     doc = json.loads(capsys.readouterr().out)
     assert doc["fits"] is False and doc["limit_bytes"] == int(0.05 * GiB) and doc["ctx"] == 32768
+    assert doc["load_plan"].startswith("load plan: ")
     assert doc["verdict"].startswith("does not fit: ") and sum(r["bytes"] for r in doc["rows"]) == doc["total_bytes"]
 
 

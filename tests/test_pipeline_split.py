@@ -35,7 +35,7 @@ def _dense_raw(rng, qtype: GGMLType) -> np.ndarray:
 
 def _built(w: DenseWeight) -> int:
     """Bytes of every cached form the weight holds now."""
-    forms = [w._dense, w._dense_t, w._blocks, *(w._affine or ()),
+    forms = [w._dense, w._dense_t, w._blocks, w._half, *(w._affine or ()),
              *(w._ds4 if isinstance(w._ds4, tuple) else (w._ds4,))]
     return sum(int(a.nbytes) for a in forms if a is not None)
 
@@ -146,16 +146,20 @@ def test_row_ranges_of_the_head_give_the_whole_heads_logits(tiny_model_path, num
 
 @pytest.mark.parametrize("use_kernels", [False, True])
 def test_dense_estimate_of_the_metal_forms(use_kernels):
-    """On Metal a Q8_0 weight is kept as MLX's affine 8-bit form, or as its raw blocks for the
-    kernel; both forms are built here on any machine (only the product needs Metal)."""
+    """On a GPU (Metal, CUDA) a Q8_0 weight is kept as MLX's affine 8-bit form, or as its raw blocks for
+    the kernel, and an F16 one as float16; the forms are built here on any machine."""
     rng = np.random.default_rng(2)
     w = DenseWeight("w", GGMLType.Q8_0, _dense_raw(rng, GGMLType.Q8_0), IN, backend="metal",
                     use_kernels=use_kernels)
     mx.eval(w.blocks() if use_kernels else w.affine())
     assert w.resident_nbytes() == _built(w)
-    f16 = DenseWeight("w", GGMLType.F16, _dense_raw(rng, GGMLType.F16), IN, backend="metal")
-    mx.eval(f16.dense_t())  # what its product multiplies on Metal too
-    assert f16.resident_nbytes() == _built(f16) == 4 * OUT * IN
+    for backend in ("metal", "cuda"):
+        f16 = DenseWeight("w", GGMLType.F16, _dense_raw(rng, GGMLType.F16), IN, backend=backend)
+        x = mx.array(rng.standard_normal((3, IN)).astype(np.float32))
+        y = f16(x)  # builds the form its product multiplies: float16, promoted exactly in the matmul
+        assert f16.resident_nbytes() == _built(f16) == 2 * OUT * IN
+        ref = np.asarray(x) @ np.asarray(f16.raw, dtype=np.float32).T
+        np.testing.assert_allclose(np.array(y), ref, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("qtype", [GGMLType.IQ2_XXS, GGMLType.Q2_K, GGMLType.Q4_K, GGMLType.MXFP4])

@@ -60,6 +60,7 @@ def engine_rows(engine) -> list[tuple[str, object]]:
         ("context", f"{cfg.context_length} max, {engine.default_ctx()} default"),
         ("numerics", engine.numerics),
         ("memory plan", engine.memory_plan.verdict() if engine.memory_plan is not None else "not planned"),
+        ("load plan", engine.load_plan.describe().removeprefix("load plan: ") if engine.load_plan else "none"),
         ("load time", f"{engine.load_time:.2f} s"),
     ]
 

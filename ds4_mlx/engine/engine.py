@@ -231,6 +231,11 @@ class Engine:
         """The load's ``model.memory_plan.MemoryPlan`` (None for a distributed rank's share)."""
         return getattr(self.network, "memory_plan", None)
 
+    @property
+    def load_plan(self):
+        """The load's ``model.load_plan.LoadPlan``: backend, expert strategy, weight forms, kernels."""
+        return getattr(self.network, "load_plan", None)
+
     def new_session(self, ctx: int | None = None, *, chunk: int | None = None, **options):
         """A ``Session`` of ``ctx`` tokens (default ``default_ctx()``); ``chunk`` is the prefill chunk
         (ds4's 2048 by default); ``options`` go to ``Session`` (checkpoint pools, ``compile``)."""

@@ -65,21 +65,19 @@ class CommandParser(argparse.ArgumentParser):
 
 
 def version_text() -> str:
-    """``ds4-mlx --version``: our version, then mlx's, the device MLX computes on, and its BLAS."""
+    """``ds4-mlx --version``: our version, then mlx's, the device MLX computes on, and its BLAS; then
+    the load plan a default load would resolve here (``model.load_plan``)."""
     import platform
 
     import mlx.core as mx
 
     from ds4_mlx import __version__, blas
+    from ds4_mlx.model import load_plan
 
-    if mx.metal.is_available():
-        backend = "metal"
-    elif hasattr(mx, "cuda") and mx.cuda.is_available():
-        backend = "cuda"
-    else:
-        backend = "cpu"
+    lp = load_plan.resolve()
     return (f"ds4-mlx {__version__}\n"
-            f"mlx {mx.__version__}, backend {backend}, {blas.describe()}, Python {platform.python_version()}")
+            f"mlx {mx.__version__}, backend {lp.backend}, {blas.describe()}, Python {platform.python_version()}\n"
+            f"{lp.describe()}")
 
 
 class _VersionAction(argparse.Action):

@@ -86,23 +86,24 @@ def run(args: argparse.Namespace) -> int:
 def run_plan(args: argparse.Namespace) -> int:
     """``inspect --plan``: the memory plan as a table (or ``--json``: its ``to_dict``)."""
     from ds4_mlx.formats.layout import load_model_file
-    from ds4_mlx.model.device_experts import resolve_strategy
+    from ds4_mlx.model import load_plan
     from ds4_mlx.model.loader import parse_numerics, plan_load
 
-    if args.experts_cache is not None and resolve_strategy(args.experts) != "device":
+    lp = load_plan.resolve(args.numerics, None, args.experts)  # what ``ds4_mlx.load`` would resolve here
+    if args.experts_cache is not None and lp.experts != "device":
         raise UsageError(f"--experts-cache bounds the device strategy's resident experts; the strategy here is "
-                         f"{resolve_strategy(args.experts)} (--experts {args.experts}): pass --experts device")
+                         f"{lp.experts} (--experts {args.experts}): pass --experts device")
     f, cfg, _ = load_model_file(args.path)
     try:
-        plan, _ = plan_load(f, cfg, parse_numerics(args.numerics), None, args.experts,
+        plan, _ = plan_load(f, cfg, parse_numerics(args.numerics), lp.backend, lp.experts,
                             experts_cache=args.experts_cache, ctx=args.ctx, simulate_memory=args.simulate_memory)
     finally:
         f.close()
     if args.json:
-        json.dump(plan.to_dict(), sys.stdout, ensure_ascii=True, allow_nan=False)
+        json.dump({**plan.to_dict(), "load_plan": lp.describe()}, sys.stdout, ensure_ascii=True, allow_nan=False)
         sys.stdout.write("\n")
     else:
-        sys.stdout.write(format_plan(plan))
+        sys.stdout.write(lp.describe() + "\n" + format_plan(plan))
     return 1 if plan.fits is False else 0
 
 

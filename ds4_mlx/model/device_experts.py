@@ -38,7 +38,7 @@ import mlx.core as mx
 import numpy as np
 
 from ds4_mlx.errors import LayoutError
-from ds4_mlx.model import metal_kernels, mxfp4
+from ds4_mlx.model import load_plan, metal_kernels, mxfp4
 from ds4_mlx.model.experts import ExpertWeights
 from ds4_mlx.model.host import to_host
 
@@ -51,15 +51,10 @@ DEVICE_MAX_PAIRS = 16
 
 
 def gpu_backend() -> str | None:
-    """"metal" or "cuda" when MLX's default device is a GPU of that backend, else None."""
-    if mx.default_device().type != mx.DeviceType.gpu:
-        return None
-    if mx.metal.is_available():
-        return "metal"
-    cuda = getattr(mx, "cuda", None)
-    if cuda is not None and cuda.is_available():
-        return "cuda"
-    return None
+    """"metal" or "cuda" when MLX's default device is a GPU of that backend, else None
+    (``load_plan.detect_backend``, the one detector)."""
+    found = load_plan.detect_backend()
+    return None if found == "cpu" else found
 
 
 def resolve_strategy(experts: str) -> str:
@@ -67,9 +62,7 @@ def resolve_strategy(experts: str) -> str:
     Anything else is a ``LayoutError`` naming the value and the choices."""
     if not isinstance(experts, str) or experts not in STRATEGIES:
         raise LayoutError(f"unknown expert strategy {experts!r}; expected one of {list(STRATEGIES)}")
-    if experts == "auto":
-        return "device" if gpu_backend() is not None else "host"
-    return experts
+    return load_plan.resolve(experts=experts, backend="cpu" if experts != "auto" else None).experts
 
 
 def topk_lowest_id(scores: mx.array, k: int) -> mx.array:
@@ -150,17 +143,19 @@ class DeviceExpertWeights(ExpertWeights):
         self.pairs += P
         self.bytes_selected += P * self.expert_nbytes  # a token's k experts are distinct
         slot = ids.reshape(P).astype(mx.int32)
-        return matvec_pairs(self.blocks, self.qtype, x, slot, self.use_kernels).reshape(T, k, out_dim)
+        return matvec_pairs(self.blocks, self.qtype, x, slot, self.kernel_dialect).reshape(T, k, out_dim)
 
 
-def matvec_pairs(blocks: mx.array, qtype, x: mx.array, slot: mx.array, use_kernels: bool) -> mx.array:
+def matvec_pairs(blocks: mx.array, qtype, x: mx.array, slot: mx.array, dialect: str | None) -> mx.array:
     """x [T, 1 or k, n_in] times the blocks at ``slot`` [T*k] (one expert's rows per token-expert
-    pair, in pair order) -> [T*k, out]: the Metal matvec kernel, or its MLX-ops twin elsewhere.
+    pair, in pair order) -> [T*k, out]: the matvec kernel in ``dialect`` ("metal" / "cuda", the load
+    plan's ``kernels``), or with None its MLX-ops twin.
     ``blocks``: every expert's (``DeviceExpertWeights``) or a bounded cache's slots (``expert_cache``)."""
     T, P, n_in = x.shape[0], slot.shape[0], x.shape[-1]
     x_rows = (x if x.shape[1] * T == P else mx.broadcast_to(x, (T, P // T, n_in))).reshape(P, n_in)
-    if use_kernels:
-        return metal_kernels.expert_matvec_kernel_ids(blocks, qtype, x_rows, slot, mx.arange(P, dtype=mx.int32))
+    if dialect:
+        return metal_kernels.expert_matvec_kernel_ids(blocks, qtype, x_rows, slot, mx.arange(P, dtype=mx.int32),
+                                                      dialect=dialect)
     return expert_matvec_twin_ids(blocks, qtype, x_rows, slot)
 
 

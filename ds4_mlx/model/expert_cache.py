@@ -270,7 +270,7 @@ class CachedDeviceExpertWeights(DeviceExpertWeights):
         self.pairs += P
         self.bytes_selected += P * self.expert_nbytes
         slot = mx.array(slot_of_pair.astype(np.int32))
-        return matvec_pairs(self.slots, self.qtype, x, slot, self.use_kernels).reshape(T, k, out_dim)
+        return matvec_pairs(self.slots, self.qtype, x, slot, self.kernel_dialect).reshape(T, k, out_dim)
 
     def ds4_cpu(self, x: mx.array, ids) -> mx.array:
         """ds4's CPU arithmetic (``ExpertWeights.ds4_cpu``) on blocks from the slots: the same bits."""

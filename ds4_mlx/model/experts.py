@@ -309,8 +309,16 @@ class ExpertWeights:
         self.raw = raw
         self.shape = (int(raw.shape[0]), int(raw.shape[1]), int(n_in))
         self.backend = resolve_backend(backend)
+        # ``use_kernels``: a dialect ("metal" / "cuda", the load plan's ``kernels``), True (the
+        # backend's own), False/None-on-the-CPU (the MLX-ops twins / dequantized experts)
         if use_kernels is None:
-            use_kernels = self.backend is Backend.METAL and metal_kernels.available()
+            use_kernels = self.backend.gpu and self.backend.value in metal_kernels.available_dialects()
+        if use_kernels is True:
+            use_kernels = self.backend.value if self.backend.gpu else "metal"
+        if use_kernels not in (False, *metal_kernels.DIALECTS):
+            raise LayoutError(f"tensor {name!r}: use_kernels={use_kernels!r}; expected a bool or one of "
+                              f"{list(metal_kernels.DIALECTS)}")
+        self.kernel_dialect: str | None = use_kernels or None
         self.use_kernels = bool(use_kernels)
         # None: the native library when it builds (decided at the first host call), False: the MLX path
         self.native = native
@@ -437,7 +445,8 @@ class ExpertWeights:
 
     def _kernel_pairs(self, uniq: np.ndarray, x_rows: mx.array, slot: np.ndarray, rows: np.ndarray,
                       src: mx.array) -> mx.array:
-        return metal_kernels.expert_matmul_kernel(mx.array(self._read(uniq)), self.qtype, x_rows, slot, rows)
+        return metal_kernels.expert_matmul_kernel(mx.array(self._read(uniq)), self.qtype, x_rows, slot, rows,
+                                                  dialect=self.kernel_dialect)
 
     def _dense_pairs(self, uniq: np.ndarray, x_rows: mx.array, slot: np.ndarray, rows: np.ndarray,
                      src: mx.array) -> mx.array:

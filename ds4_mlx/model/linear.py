@@ -18,14 +18,15 @@ Additions to that contract (all optional): ``backend=`` on both constructors (be
 ``w.shape``/``w.qtype``/``w.nbytes``; ``e.shape``/``e.expert_nbytes`` and the counters ``e.bytes_read``,
 ``e.bytes_selected``, ``e.calls``, ``e.pairs``, ``e.reset_counters()``; ``experts.EXPERT_CACHE``.
 
-``backend`` (``Backend.CPU`` / ``Backend.METAL``; default ``default_backend()``: METAL when Metal is
-available and the default device is the GPU) decides how weights are kept for the DEFAULT mode:
+``backend`` (``Backend.CPU`` / ``METAL`` / ``CUDA``; the loader passes its ``load_plan``'s; default
+``default_backend()``, the plan's one detector) decides how weights are kept for the DEFAULT mode:
 
 * CPU: every dense weight is dequantized to float32 once, lazily, and cached, transposed (``dense_t``). MLX's CPU backend has
   exactly one fast matmul, the BLAS float32 GEMM; ``mx.quantized_matmul`` there is ~2x slower for one
   token and ~35x slower for a 64-token batch (Q8_0 1024x4096, measured on a 2-core x86 box).
-* METAL: Q8_0 weights become MLX affine 8-bit group-32 matrices (lossless, see ``q8_0_to_affine``) and are
-  multiplied with ``mx.quantized_matmul``; F16/F32 weights are cached as float32.
+* a GPU (METAL or CUDA, the same forms): Q8_0 weights become MLX affine 8-bit group-32 matrices (lossless,
+  see ``q8_0_to_affine``) multiplied with ``mx.quantized_matmul``; F16 weights stay float16 (``half``,
+  promoted exactly inside the matmul); F32 weights are cached as float32.
 
 ``ds4_cpu`` (the DS4_CPU numerics) reproduces the arithmetic of ds4.c's CPU reference (its portable, non-NEON branch,
 which is what a strict x86 build runs), so per-layer comparison with the oracle can be tight:
@@ -57,7 +58,7 @@ from ds4_mlx.errors import InferenceError, LayoutError
 from ds4_mlx.formats.ggml_types import GGMLType
 from ds4_mlx.formats.quants import dequantize_rows
 from ds4_mlx.formats.quants_mlx import quantize_q8_0_activation_mlx
-from ds4_mlx.model import metal_kernels
+from ds4_mlx.model import load_plan, metal_kernels
 from ds4_mlx.model.numerics import sequential_outer_sum
 from ds4_mlx.model.ops import DS4_CHUNK_ELEMENTS, chunks
 
@@ -78,13 +79,18 @@ class Backend(str, Enum):
 
     CPU = "cpu"
     METAL = "metal"
+    CUDA = "cuda"
+
+    @property
+    def gpu(self) -> bool:
+        """Metal and CUDA hold the same GPU forms (affine Q8_0, float16 F16)."""
+        return self is not Backend.CPU
 
 
 def default_backend() -> Backend:
-    """METAL when MLX has a Metal device and it is the default device, otherwise CPU."""
-    if mx.metal.is_available() and mx.default_device().type == mx.DeviceType.gpu:
-        return Backend.METAL
-    return Backend.CPU
+    """The machine's backend (``load_plan.detect_backend``, the one detector); the loader passes its
+    plan's backend explicitly, so this serves direct constructions only."""
+    return Backend(load_plan.detect_backend())
 
 
 def resolve_backend(backend: "Backend | str | None") -> Backend:
@@ -167,10 +173,13 @@ def dense_resident_nbytes(qtype: GGMLType | int, shape: tuple[int, int], backend
     out_dim, n_in = (int(shape[0]), int(shape[1]))
     elems = out_dim * n_in
     nb = n_in // QK8_0
-    if resolve_backend(backend) is Backend.METAL and qtype == GGMLType.Q8_0:
+    gpu = resolve_backend(backend).gpu
+    if gpu and qtype == GGMLType.Q8_0:
         if use_kernels:  # ``blocks``: the raw GGUF rows
             return nb * 34 * out_dim
         return elems + 2 * 4 * nb * out_dim  # ``affine``: 8-bit codes, float32 scales and biases
+    if gpu and qtype == GGMLType.F16:
+        return 2 * elems  # ``half``: the GGUF's float16 values
     return 4 * elems  # ``dense_t`` (or ``dense`` for a weight used by row slices): float32
 
 
@@ -226,6 +235,7 @@ class DenseWeight:
         self._dense: mx.array | None = None
         self._dense_t: mx.array | None = None
         self._affine: tuple[mx.array, mx.array, mx.array] | None = None
+        self._half: mx.array | None = None
         self._blocks: mx.array | None = None
         self._ds4: Any = None
         self._groups: list[DenseWeight] | None = None
@@ -334,6 +344,16 @@ class DenseWeight:
         if self.qtype == GGMLType.Q8_0:
             return dequantize_rows(self.raw[r0:r1], GGMLType.Q8_0)
         return np.asarray(self.raw[r0:r1], dtype=np.float32)
+
+    def half(self) -> mx.array:
+        """The F16 weight as MLX float16 (out, in): the GGUF's values, the GPU backends' form."""
+        if self.qtype != GGMLType.F16:
+            raise LayoutError(f"tensor {self.name!r}: the float16 form is for F16 weights, not {self.qtype.name}")
+        if self._parent is not None:
+            return self._slice(self._parent.half(), 0)
+        if self._half is None:
+            self._half = mx.array(np.ascontiguousarray(self.raw))
+        return self._half
 
     def affine(self) -> tuple[mx.array, mx.array, mx.array]:
         """The Q8_0 weight in MLX's affine 8-bit group-32 form (see ``q8_0_to_affine``)."""
@@ -446,9 +466,13 @@ class DenseWeight:
         return matmul(x2).reshape(*lead, out_dim)
 
     def _fast_matmul(self, x2: mx.array) -> mx.array:
-        if self.backend is Backend.METAL and self.qtype == GGMLType.Q8_0 and self.use_kernels:
-            return metal_kernels.q8_0_matvec_kernel(self.blocks(), x2)
-        if self.backend is Backend.METAL and self.qtype == GGMLType.Q8_0:
+        if self.backend.gpu and self.qtype == GGMLType.Q8_0 and self.use_kernels:
+            return metal_kernels.q8_0_matvec_kernel(self.blocks(), x2, dialect=self.backend.value)
+        if self.backend.gpu and self.qtype == GGMLType.F16:
+            # float32 x float16 promotes the weight to float32 exactly (f16 -> f32 is exact): the
+            # float32 form's bits, from half its resident bytes
+            return mx.matmul(x2, self.half().T)
+        if self.backend.gpu and self.qtype == GGMLType.Q8_0:
             wq, scales, biases = self.affine()
             return mx.quantized_matmul(x2, wq, scales, biases, transpose=True, group_size=QK8_0, bits=8)
         if self._parent is not None:

@@ -21,7 +21,7 @@ from ds4_mlx.formats.layout import load_model_file
 from ds4_mlx.model.attention import Attention
 from ds4_mlx.model.compiled_decode import probe_compiler
 from ds4_mlx.model.compressor import Compressor
-from ds4_mlx.model.device_experts import DeviceExpertWeights, gpu_backend, resolve_strategy
+from ds4_mlx.model.device_experts import DeviceExpertWeights, resolve_strategy
 from ds4_mlx.model.expert_budget import parse_experts_cache, plan_cache
 from ds4_mlx.model.expert_cache import CachedDeviceExpertWeights, ExpertCacheSet, check_policy
 from ds4_mlx.model.expert_cache_policy import DEFAULT_POLICY
@@ -30,7 +30,7 @@ from ds4_mlx.model.hyper_connection import HyperConnection, OutputHC
 from ds4_mlx.model.indexer import Indexer
 from ds4_mlx.model.linear import Backend, DenseWeight, resolve_backend
 from ds4_mlx.model.moe import MoE
-from ds4_mlx.model import distributed as dist, expert_parallel, memory_plan, pipeline
+from ds4_mlx.model import distributed as dist, expert_parallel, load_plan, memory_plan, pipeline
 from ds4_mlx.model.ops import DefaultOps, Numerics, ops_for
 from ds4_mlx.model.rope import Rope
 from ds4_mlx.model.transformer import Block, Model
@@ -74,11 +74,13 @@ class _Weights:
     """Name-checked access to the GGUF tensors; ``kinds`` records how each was taken."""
 
     def __init__(self, f: GGUFFile, backend: str | None = None, experts: str = "host",
-                 owned: range | None = None, caches: ExpertCacheSet | None = None):
+                 owned: range | None = None, caches: ExpertCacheSet | None = None, kernels: str | None = None):
         self.f = f
         self.caches = caches  # a bounded device expert cache (``expert_cache``): slots per layer
         self.backend = backend
         self.kw = {} if backend is None else {"backend": backend}
+        # the routed experts' kernel dialect, the load plan's ``kernels`` (None: decided by the backend)
+        self.ekw = self.kw if kernels is None else {**self.kw, "use_kernels": kernels}
         self.strategy = experts
         self.expert_cls = DeviceExpertWeights if experts == "device" else ExpertWeights
         self.owned = owned  # an expert-parallel rank's routed experts (None: all of them)
@@ -105,7 +107,7 @@ class _Weights:
                     return w.nbytes
                 return w.ds4_cpu_resident_nbytes() if numerics is Numerics.DS4_CPU else w.resident_nbytes()
             if kind == "experts":
-                e = ExpertWeights.from_gguf(self.f, name, **self.kw)  # a view; decides use_kernels as built
+                e = ExpertWeights.from_gguf(self.f, name, **self.ekw)  # a view; decides use_kernels as built
                 # only DEFAULT's dequantized path fills the LRU (ds4-cpu re-reads, the kernels read blocks)
                 keeps = numerics is Numerics.DEFAULT and not e.use_kernels
                 return routed_resident_nbytes(e.qtype, e.shape, device=self.strategy == "device",
@@ -141,11 +143,12 @@ class _Weights:
             raise LayoutError(f"{self.f.path}: tensor {name!r} is missing")
         self.kinds[name] = "experts"
         if self.owned is not None:
-            return expert_parallel.OwnedExperts.from_gguf(self.expert_cls, self.f, name, self.owned, self.backend)
+            return expert_parallel.OwnedExperts.from_gguf(self.expert_cls, self.f, name, self.owned, self.backend,
+                                                          self.ekw.get("use_kernels"))
         if self.caches is not None:
             layer = self.caches.layer(int(name.split(".")[1]))
-            return CachedDeviceExpertWeights.from_gguf(self.f, name, layer, **self.kw)
-        return self.expert_cls.from_gguf(self.f, name, **self.kw)
+            return CachedDeviceExpertWeights.from_gguf(self.f, name, layer, **self.ekw)
+        return self.expert_cls.from_gguf(self.f, name, **self.ekw)
 
 
 def _block(cfg: ModelConfig, w: _Weights, il: int, ops: DefaultOps, gather=None, prefix: str | None = None,
@@ -293,7 +296,7 @@ def plan_memory(f: GGUFFile, cfg: ModelConfig, numerics: str | Numerics = "defau
     ``DEFAULT_CTX`` capped at the model's, the default a session gets)."""
     mode = parse_numerics(numerics)
     strategy = resolve_strategy(strategy)
-    gpu = resolve_backend(backend) is Backend.METAL or gpu_backend() == "cuda"  # MLX's buffers on a GPU
+    gpu = resolve_backend(backend).gpu  # MLX's buffers on a GPU
     machine = (memory_plan.simulated_machine(simulate_memory) if simulate_memory is not None
                else memory_plan.read_machine(gpu=gpu))
     weights = weight_bytes(f, cfg, mode, backend, strategy)
@@ -383,7 +386,8 @@ def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend:
     """Open a DS4 Flash GGUF (mmap) and build the model; raises a Ds4Error subclass on bad input.
 
     ``numerics``: "default" (fast path) or "ds4-cpu" (ds4.c's CPU reference arithmetic).
-    ``backend``: where the default-mode matmuls run ("cpu" / "metal"; None = MLX's default device).
+    ``backend``: where the default-mode matmuls run ("cpu" / "metal" / "cuda"; None = MLX's default
+    device). The options and the machine are resolved once into ``model.load_plan`` (``load_plan``).
     ``experts``: the routed-expert strategy (``model.device_experts``). "host": routing in numpy,
     slabs copied out of the mmap, a dequantized-expert LRU (small resident memory). "device": every
     expert's raw blocks copied into MLX memory at load (the GGUF's routed-expert bytes stay resident,
@@ -409,7 +413,9 @@ def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend:
     ``memory_plan``. A distributed rank holds only its share: it is not planned (yet).
     """
     mode = parse_numerics(numerics)
-    strategy = resolve_strategy(experts)  # bad values fail before the file is opened
+    # the machine is read here, once; everything below gets the plan's explicit values
+    lp = load_plan.resolve(mode.value, backend, experts, distributed)  # bad values fail before the file opens
+    strategy, backend = lp.experts, lp.backend
     if distributed is not None and distributed not in dist.MODES:
         raise LayoutError(f"unknown distributed mode {distributed!r}; expected one of {list(dist.MODES)}")
     bounded = parse_experts_cache(experts_cache) is not None  # bad values fail before the file is opened
@@ -441,14 +447,15 @@ def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend:
                 ("numerics", mode.value)])
             if distributed == "experts":
                 owned = expert_parallel.owners(cfg.n_expert, group.size())[group.rank()]
-                model = _build(f, cfg, mode, backend, strategy, group=group, experts=owned)
+                model = _build(f, cfg, mode, backend, strategy, group=group, experts=owned, kernels=lp.kernels)
             else:
                 split = resident_split(f, cfg, group.size(), mode, backend, strategy)
                 split = pipeline.PipelineSplit.from_ints(dist.rank0s(group, split.to_ints()), cfg.n_vocab)
-                model = _build(f, cfg, mode, backend, strategy, group=group, split=split)
+                model = _build(f, cfg, mode, backend, strategy, group=group, split=split, kernels=lp.kernels)
         else:
-            model = _build(f, cfg, mode, backend, strategy, caches=caches)
+            model = _build(f, cfg, mode, backend, strategy, caches=caches, kernels=lp.kernels)
         model.memory_plan = plan
+        model.load_plan = lp
         f.check_intact()  # truncated while loading: a clean error naming it, before any use
         probe_compiler()  # MLX's compiler check ignores Ctrl-C while it runs: at load, not mid-answer
         return model
@@ -459,12 +466,12 @@ def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend:
 
 def _build(f: GGUFFile, cfg: ModelConfig, mode: Numerics, backend: str | None, strategy: str = "host",
            group=None, split: pipeline.PipelineSplit | None = None, experts: range | None = None,
-           caches: ExpertCacheSet | None = None) -> Model:
+           caches: ExpertCacheSet | None = None, kernels: str | None = None) -> Model:
     """The whole model, or with ``group``: one pipeline rank's part of ``split`` (its layers only;
     the output mix and norm on the last rank, the head's rows split between rank 0 and the last
     rank), so the rank never builds, copies or reads the other layers or rows; or one
     expert-parallel rank's (all layers, only the routed ``experts`` it owns; the head on rank 0 only)."""
-    w = _Weights(f, backend, strategy, owned=experts, caches=caches)
+    w = _Weights(f, backend, strategy, owned=experts, caches=caches, kernels=kernels)
     emb_name = EMBEDDING
     if not w.has(emb_name):
         raise LayoutError(f"{f.path}: tensor {emb_name!r} is missing")
