@@ -85,7 +85,11 @@ def load_drafter(path: str | os.PathLike, target, checkpoint=None,
     f, kind = open_drafter(path, target, checkpoint)
     try:
         ops = target.ops
-        w = _Weights(f, backend, target.expert_strategy)
+        lp = getattr(target, "load_plan", None)  # the target's plan: the drafter's weights take its forms
+        if backend is None and lp is not None:
+            w = _Weights(f, lp.backend, target.expert_strategy, kernels=lp.kernels)
+        else:
+            w = _Weights(f, backend, target.expert_strategy)
         if kind is DrafterKind.DSPARK:
             head = _dspark_head(f, w, cfg, ops)
             f.check_intact()
