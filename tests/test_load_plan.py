@@ -140,6 +140,8 @@ def test_load_on_mocked_cuda_holds_gpu_forms(tiny_model_path, mocked_cuda):
     plan = engine.load_plan
     model = engine.network
     assert (plan.backend, plan.experts, plan.kernels, plan.native) == ("cuda", "device", "cuda", False)
+    weights = engine.memory_plan.weights  # planned with the forms the load then built
+    assert weights.backend == "cuda" and weights.strategy == "device"
     found = _weights(model)
     assert found["dense"] and found["experts"]
     assert all(e.kernel_dialect == "cuda" and isinstance(e, DeviceExpertWeights) for e in found["experts"])

@@ -96,7 +96,8 @@ def run_plan(args: argparse.Namespace) -> int:
     f, cfg, _ = load_model_file(args.path)
     try:
         plan, _ = plan_load(f, cfg, parse_numerics(args.numerics), lp.backend, lp.experts,
-                            experts_cache=args.experts_cache, ctx=args.ctx, simulate_memory=args.simulate_memory)
+                            experts_cache=args.experts_cache, ctx=args.ctx, simulate_memory=args.simulate_memory,
+                            kernels=lp.kernels)
     finally:
         f.close()
     if args.json:

@@ -244,14 +244,14 @@ def _routed_names(f: GGUFFile, cfg: ModelConfig) -> dict[str, int]:
 
 
 def weight_bytes(f: GGUFFile, cfg: ModelConfig, numerics: str | Numerics = "default", backend: str | None = None,
-                 strategy: str = "host") -> memory_plan.WeightBytes:
+                 strategy: str = "host", *, kernels: str | None = None) -> memory_plan.WeightBytes:
     """What the weights of a one-process load will hold (``memory_plan.WeightBytes``), from the
     tensor directory only (nothing of the data is read): each tensor's ``_Weights.resident_nbytes``,
     grouped by form, the routed experts' raw blocks and LRU share apart. The LRU budget is spread
-    over the expert tensors as ``resident_split`` spreads it."""
+    over the expert tensors as ``resident_split`` spreads it. ``kernels``: the load plan's dialect."""
     mode = parse_numerics(numerics)
     strategy = resolve_strategy(strategy)
-    w = _Weights(f, backend, strategy)
+    w = _Weights(f, backend, strategy, kernels=kernels)
     routed = _routed_names(f, cfg)
     total, budget = sum(routed.values()), _lru_budget(strategy)
     forms: dict[str, list[int]] = {}
@@ -290,7 +290,7 @@ def weight_bytes(f: GGUFFile, cfg: ModelConfig, numerics: str | Numerics = "defa
 
 def plan_memory(f: GGUFFile, cfg: ModelConfig, numerics: str | Numerics = "default", backend: str | None = None,
                 strategy: str = "auto", *, ctx: int | None = None, simulate_memory: float | None = None,
-                experts_cache_bytes: int | None = None) -> memory_plan.MemoryPlan:
+                experts_cache_bytes: int | None = None, kernels: str | None = None) -> memory_plan.MemoryPlan:
     """The memory plan of loading ``f`` with these options (``model.memory_plan``), against this
     machine (or a simulated one of ``simulate_memory`` GiB). ``ctx``: the sessions' context (None:
     ``DEFAULT_CTX`` capped at the model's, the default a session gets)."""
@@ -299,8 +299,8 @@ def plan_memory(f: GGUFFile, cfg: ModelConfig, numerics: str | Numerics = "defau
     gpu = resolve_backend(backend).gpu  # MLX's buffers on a GPU
     machine = (memory_plan.simulated_machine(simulate_memory) if simulate_memory is not None
                else memory_plan.read_machine(gpu=gpu))
-    weights = weight_bytes(f, cfg, mode, backend, strategy)
-    host = weights if strategy == "host" else weight_bytes(f, cfg, mode, backend, "host")
+    weights = weight_bytes(f, cfg, mode, backend, strategy, kernels=kernels)
+    host = weights if strategy == "host" else weight_bytes(f, cfg, mode, backend, "host", kernels=kernels)
     ctx = min(DEFAULT_CTX, cfg.context_length) if ctx is None else ctx
     return memory_plan.plan(cfg, weights, ctx=ctx, machine=machine, experts_cache_bytes=experts_cache_bytes,
                             host=host, name=os.path.basename(f.path))
@@ -362,20 +362,21 @@ def _expert_caches(f: GGUFFile, cfg: ModelConfig, experts_cache, policy: str | N
 
 def plan_load(f: GGUFFile, cfg: ModelConfig, mode: Numerics, backend: str | None, strategy: str, *,
               experts_cache=None, experts_cache_policy: str | None = None, ctx: int | None = None,
-              simulate_memory: float | None = None):
+              simulate_memory: float | None = None, kernels: str | None = None):
     """The memory plan ``load`` goes by and the bounded expert cache it builds (or None): with
     ``experts_cache`` the user's budget; without, for the device strategy, every expert resident
     when they fit, else the largest bounded cache that fits beside the dense weights, the KV at
     ctx and the scratch (``memory_plan.default_experts_cache_bytes``; a ``MemoryPlanError`` when
-    even the smallest does not). ``inspect --plan`` prints this same plan."""
+    even the smallest does not). ``inspect --plan`` prints this same plan. ``kernels``: the load
+    plan's dialect, so the estimate takes the forms that will be built."""
     caches, cache_bytes = _expert_caches(f, cfg, experts_cache, experts_cache_policy)
     plan = plan_memory(f, cfg, mode, backend, strategy, ctx=ctx, simulate_memory=simulate_memory,
-                       experts_cache_bytes=cache_bytes)
+                       experts_cache_bytes=cache_bytes, kernels=kernels)
     if experts_cache is None and resolve_strategy(strategy) == "device" and plan.fits is False:
         auto = memory_plan.default_experts_cache_bytes(plan)
         caches, cache_bytes = _expert_caches(f, cfg, auto, experts_cache_policy)
         plan = plan_memory(f, cfg, mode, backend, strategy, ctx=ctx, simulate_memory=simulate_memory,
-                           experts_cache_bytes=cache_bytes)
+                           experts_cache_bytes=cache_bytes, kernels=kernels)
     return plan, caches
 
 
@@ -438,7 +439,7 @@ def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend:
             # Before ``_build`` reads any weight: the plan reads the tensor directory only.
             plan, caches = plan_load(f, cfg, mode, backend, strategy, experts_cache=experts_cache,
                                      experts_cache_policy=experts_cache_policy, ctx=ctx,
-                                     simulate_memory=simulate_memory)
+                                     simulate_memory=simulate_memory, kernels=lp.kernels)
             plan.check()
         if distributed is not None:
             size = f"{f.file_size / (1 << 20):,.0f} MiB" if f.file_size >= 1 << 20 else f"{f.file_size:,} bytes"
