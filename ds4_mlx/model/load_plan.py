@@ -53,6 +53,12 @@ def _switch(var: str, default: bool) -> bool:
     return value not in ("0", "false", "no", "off")
 
 
+def compile_switch() -> bool:
+    """``DS4_MLX_COMPILE``: on unless 0 / false / no / off. The plan records it at load; ``runner``
+    still reads it per session (a session opened after the variable changes follows it)."""
+    return _switch(COMPILE_VAR, True)
+
+
 @dataclass(frozen=True)
 class LoadPlan:
     """One load's resolved variation axes (see the module docstring)."""
@@ -108,4 +114,4 @@ def resolve(numerics: str = "default", backend: str | None = None, experts: str 
     kernels = backend if backend != "cpu" else None
     native_on = backend == "cpu" and _native._setting() == "auto"  # its host products serve MLX's CPU
     return LoadPlan(numerics=str(numerics), backend=backend, experts=experts, native=native_on,
-                    compile=_switch(COMPILE_VAR, True), distributed=distributed, kernels=kernels)
+                    compile=compile_switch(), distributed=distributed, kernels=kernels)
