@@ -168,7 +168,7 @@ def test_positions_without_rows_restart_the_rings(files, target):
     assert d.propose(3) == []  # the anchor's row is missing again
     with pytest.raises(InferenceError) as e:
         d.accept([7], rows[:2])
-    assert "2 tap rows for 1 tokens" in one_line(e.value)
+    assert "2 rows for 1 tokens" in one_line(e.value)
     with pytest.raises(InferenceError) as e:
         d.accept([7], mx.zeros((1, 4, 256)))  # last-block rows are not taps
     assert "[n, 3, 256]" in one_line(e.value)

@@ -39,6 +39,9 @@ import random
 from collections.abc import Sequence
 
 import mlx.core as mx
+import numpy as np
+
+from ds4_mlx.errors import InferenceError
 
 
 class Drafter(abc.ABC):
@@ -64,6 +67,72 @@ class Drafter(abc.ABC):
     @abc.abstractmethod
     def accept(self, tokens: Sequence[int], hidden: mx.array | None) -> None:
         """The target committed ``tokens`` (module docstring for ``hidden``)."""
+
+
+class RowDrafter(Drafter):
+    """A drafter of a drafter file fed the target's rows (``MTPDrafter``, ``DSparkDrafter``): the
+    protocol's bookkeeping they share — the committed tokens, the rows checked against the token
+    count and the position of the row that chose ``tokens[0]`` — around their own ``_ingest(q0, h)``
+    (rows h for positions q0.., which changes the state only once it succeeded). ``head``: the
+    drafter's model (``config``, ``close``); ``label``: its name in errors; ``row_shape`` and
+    ``row_what``: one row's shape and what it is."""
+
+    wants_hidden = True
+    label = "drafter"
+
+    def close(self) -> None:
+        """Unmap the drafter file."""
+        self.head.close()
+
+    @property
+    @abc.abstractmethod
+    def row_shape(self) -> tuple[int, int]: ...
+
+    row_what = "the target's rows"
+
+    @abc.abstractmethod
+    def _ingest(self, q0: int, h: mx.array) -> None: ...
+
+    def start(self, tokens: Sequence[int], hidden: mx.array | None) -> None:
+        what = f"{self.label} start"
+        toks = self._check_tokens(tokens, what)
+        h = None if hidden is None else self._rows(hidden, what)
+        if h is not None and h.shape[0] > max(len(toks) - 1, 0):
+            raise InferenceError(f"{what}: {h.shape[0]} rows for {len(toks)} tokens: the rows "
+                                 f"predict the last tokens, so at most {max(len(toks) - 1, 0)}")
+        self.reset()
+        self.tokens = toks
+        if h is not None and h.shape[0]:
+            self._ingest(len(toks) - h.shape[0] - 1, h)
+
+    def accept(self, tokens: Sequence[int], hidden: mx.array | None) -> None:
+        what = f"{self.label} accept"
+        toks = self._check_tokens(tokens, what)
+        h = None if hidden is None else self._rows(hidden, what)
+        if h is not None and h.shape[0] != len(toks):
+            raise InferenceError(f"{what}: {h.shape[0]} rows for {len(toks)} tokens "
+                                 f"(one row per token: the row that chose it)")
+        if h is not None and h.shape[0] and not self.tokens:
+            raise InferenceError(f"{what}: rows before any context (start() first)")
+        first = len(self.tokens) - 1  # the position of the row that chose tokens[0]
+        self.tokens.extend(toks)
+        if h is not None and h.shape[0]:
+            self._ingest(first, h)
+
+    def _rows(self, hidden, what: str) -> mx.array:
+        h = hidden if isinstance(hidden, mx.array) else mx.array(np.asarray(hidden, dtype=np.float32))
+        if h.ndim != 3 or tuple(h.shape[1:]) != tuple(self.row_shape):
+            raise InferenceError(f"{what}: rows must be [n, {', '.join(map(str, self.row_shape))}] "
+                                 f"({self.row_what}), got shape {tuple(h.shape)}")
+        return h.astype(mx.float32)
+
+    def _check_tokens(self, tokens: Sequence[int], what: str) -> list[int]:
+        out = [int(t) for t in tokens]
+        n_vocab = self.head.config.n_vocab
+        bad = [t for t in out if not 0 <= t < n_vocab]
+        if bad:
+            raise InferenceError(f"{what}: token id {bad[0]} is outside the vocabulary 0..{n_vocab - 1}")
+        return out
 
 
 class ScriptedDrafter(Drafter):

@@ -16,12 +16,9 @@ verifier's one-token verify brings it (``Speculator._step``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import mlx.core as mx
-import numpy as np
 
-from ds4_mlx.engine.drafter import Drafter
+from ds4_mlx.engine.drafter import RowDrafter
 from ds4_mlx.errors import DraftError, InferenceError
 from ds4_mlx.model.dspark import DSparkHead
 
@@ -29,10 +26,10 @@ from ds4_mlx.model.dspark import DSparkHead
 DEFAULT_CONFIDENCE = 0.455
 
 
-class DSparkDrafter(Drafter):
+class DSparkDrafter(RowDrafter):
     """ds4's DSpark drafter (``model.dspark.DSparkHead``) driven by the verifier (module docstring)."""
 
-    wants_hidden = True
+    label = "DSpark drafter"
 
     def __init__(self, head: DSparkHead, target, confidence: float = DEFAULT_CONFIDENCE):
         if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0 <= confidence < 1:
@@ -46,35 +43,15 @@ class DSparkDrafter(Drafter):
         self.rings: list[mx.array] = [self.head.empty_rows() for _ in self.head.stages]
         self.end: int | None = None  # the rings hold the rows of positions end - m .. end - 1
 
-    def close(self) -> None:
-        """Unmap the drafter file."""
-        self.head.close()
+    @property
+    def row_shape(self) -> tuple[int, int]:
+        return len(self.taps), self.head.config.n_embd
+
+    @property
+    def row_what(self) -> str:
+        return f"the HC-mean outputs of target layers {list(self.taps)}"
 
     # -- the protocol ---------------------------------------------------------------------------------
-
-    def start(self, tokens: Sequence[int], hidden: mx.array | None) -> None:
-        toks = self._check_tokens(tokens, "DSpark drafter start")
-        h = None if hidden is None else self._rows(hidden, "DSpark drafter start")
-        if h is not None and h.shape[0] > max(len(toks) - 1, 0):
-            raise InferenceError(f"DSpark drafter start: {h.shape[0]} tap rows for {len(toks)} tokens: the rows "
-                                 f"predict the last tokens, so at most {max(len(toks) - 1, 0)}")
-        self.reset()
-        self.tokens = toks
-        if h is not None and h.shape[0]:
-            self._ingest(len(toks) - h.shape[0] - 1, h)
-
-    def accept(self, tokens: Sequence[int], hidden: mx.array | None) -> None:
-        toks = self._check_tokens(tokens, "DSpark drafter accept")
-        h = None if hidden is None else self._rows(hidden, "DSpark drafter accept")
-        if h is not None and h.shape[0] != len(toks):
-            raise InferenceError(f"DSpark drafter accept: {h.shape[0]} tap rows for {len(toks)} tokens "
-                                 f"(one row per token: the row that chose it)")
-        if h is not None and h.shape[0] and not self.tokens:
-            raise InferenceError("DSpark drafter accept: rows before any context (start() first)")
-        first = len(self.tokens) - 1  # the position of the row that chose tokens[0]
-        self.tokens.extend(toks)
-        if h is not None and h.shape[0]:
-            self._ingest(first, h)
 
     def propose(self, k: int) -> list[int]:
         L = len(self.tokens) - 1  # the anchor's position
@@ -98,23 +75,6 @@ class DSparkDrafter(Drafter):
         rings = [mx.concatenate([ring, rows], axis=0)[-n_swa:] for ring, rows in zip(rings, new)]
         mx.eval(*rings)
         self.rings, self.end = rings, q0 + r
-
-    def _rows(self, hidden, what: str) -> mx.array:
-        cfg = self.head.config
-        h = hidden if isinstance(hidden, mx.array) else mx.array(np.asarray(hidden, dtype=np.float32))
-        if h.ndim != 3 or tuple(h.shape[1:]) != (len(self.taps), cfg.n_embd):
-            raise InferenceError(f"{what}: tap rows must be [n, {len(self.taps)}, {cfg.n_embd}] (the HC-mean outputs "
-                                 f"of target layers {list(self.taps)}), got shape {tuple(h.shape)}")
-        return h.astype(mx.float32)
-
-    def _check_tokens(self, tokens: Sequence[int], what: str) -> list[int]:
-        out = [int(t) for t in tokens]
-        n_vocab = self.head.config.n_vocab
-        bad = [t for t in out if not 0 <= t < n_vocab]
-        if bad:
-            raise InferenceError(f"{what}: token id {bad[0]} is outside the vocabulary 0..{n_vocab - 1}")
-        return out
-
 
 def load_dspark_drafter(path, target, checkpoint=None, backend: str | None = None,
                         confidence: float = DEFAULT_CONFIDENCE) -> DSparkDrafter:

@@ -20,12 +20,10 @@ one recursive step over it: draft 0 continues the context, draft i recurses on d
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import mlx.core as mx
 import numpy as np
 
-from ds4_mlx.engine.drafter import Drafter
+from ds4_mlx.engine.drafter import RowDrafter
 from ds4_mlx.errors import InferenceError
 from ds4_mlx.model.mtp import DraftWindow, MTPHead
 
@@ -35,10 +33,11 @@ from ds4_mlx.model.mtp import DraftWindow, MTPHead
 MAX_RECURSE = 16
 
 
-class MTPDrafter(Drafter):
+class MTPDrafter(RowDrafter):
     """ds4's MTP drafter (``model.mtp.MTPHead``) driven by the verifier (module docstring)."""
 
-    wants_hidden = True
+    label = "MTP drafter"
+    row_what = "the target's last-block HC stream"
 
     def __init__(self, head: MTPHead, target):
         self.head, self.target = head, target
@@ -50,9 +49,9 @@ class MTPDrafter(Drafter):
         self.end: int | None = None  # the steps ran for positions < end (None: no step yet)
         self.state_hc: mx.array | None = None  # H_out of the step at end - 1
 
-    def close(self) -> None:
-        """Unmap the drafter file."""
-        self.head.close()
+    @property
+    def row_shape(self) -> tuple[int, int]:
+        return self.head.config.n_hc, self.head.config.n_embd
 
     @property
     def n_pending(self) -> int:
@@ -60,30 +59,6 @@ class MTPDrafter(Drafter):
         return len(self.tokens) - (self.end if self.end is not None else 0)
 
     # -- the protocol ---------------------------------------------------------------------------------
-
-    def start(self, tokens: Sequence[int], hidden: mx.array | None) -> None:
-        toks = self._check_tokens(tokens, "MTP drafter start")
-        h = None if hidden is None else self._rows(hidden, "MTP drafter start")
-        if h is not None and h.shape[0] > max(len(toks) - 1, 0):
-            raise InferenceError(f"MTP drafter start: {h.shape[0]} hidden rows for {len(toks)} tokens: the rows "
-                                 f"predict the last tokens, so at most {max(len(toks) - 1, 0)}")
-        self.reset()
-        self.tokens = toks
-        if h is not None and h.shape[0]:
-            self._ingest(len(toks) - h.shape[0] - 1, h)
-
-    def accept(self, tokens: Sequence[int], hidden: mx.array | None) -> None:
-        toks = self._check_tokens(tokens, "MTP drafter accept")
-        h = None if hidden is None else self._rows(hidden, "MTP drafter accept")
-        if h is not None and h.shape[0] != len(toks):
-            raise InferenceError(f"MTP drafter accept: {h.shape[0]} hidden rows for {len(toks)} tokens "
-                                 f"(one row per token: the row that chose it)")
-        if h is not None and h.shape[0] and not self.tokens:
-            raise InferenceError("MTP drafter accept: rows before any context (start() first)")
-        first = len(self.tokens) - 1  # the position of the row that chose tokens[0]
-        self.tokens.extend(toks)
-        if h is not None and h.shape[0]:
-            self._ingest(first, h)
 
     def propose(self, k: int) -> list[int]:
         if k <= 0 or self.end is None or not 0 < self.n_pending <= MAX_RECURSE:
@@ -122,23 +97,6 @@ class MTPDrafter(Drafter):
                 H, _ = head.run(self.target, [self.tokens[q]], H[None], window, q, logits=False)
         H, _ = head.run(self.target, self.tokens[q0: q0 + r], h, window, q0, logits=False)
         self.window, self.state_hc, self.end = window, H, q0 + r
-
-    def _rows(self, hidden, what: str) -> mx.array:
-        cfg = self.head.config
-        h = hidden if isinstance(hidden, mx.array) else mx.array(np.asarray(hidden, dtype=np.float32))
-        if h.ndim != 3 or tuple(h.shape[1:]) != (cfg.n_hc, cfg.n_embd):
-            raise InferenceError(f"{what}: hidden rows must be [n, {cfg.n_hc}, {cfg.n_embd}] (the target's last-block "
-                                 f"HC stream), got shape {tuple(h.shape)}")
-        return h.astype(mx.float32)
-
-    def _check_tokens(self, tokens: Sequence[int], what: str) -> list[int]:
-        out = [int(t) for t in tokens]
-        n_vocab = self.head.config.n_vocab
-        bad = [t for t in out if not 0 <= t < n_vocab]
-        if bad:
-            raise InferenceError(f"{what}: token id {bad[0]} is outside the vocabulary 0..{n_vocab - 1}")
-        return out
-
 
 def load_mtp_drafter(path, target, checkpoint=None, backend: str | None = None) -> MTPDrafter:
     """An ``MTPDrafter`` for ``target`` (a loaded ``Model``) from the drafter GGUF at ``path``
