@@ -108,6 +108,14 @@ def write_tiny_drafter(cfg: TinyModelConfig, out: str | os.PathLike, kind: str =
                  (f"{ARCH}.dspark.markov_rank", U32, DSPARK_MARKOV_RANK),
                  (f"{ARCH}.dspark.noise_token_id", U32, noise),
                  (f"{ARCH}.dspark.target_layers", ValueType.ARRAY, list(layers), U32)]
+    write_drafter_file(out, plan, meta)
+    return {"kind": kind, "file": str(out), "file_bytes": os.path.getsize(out),
+            "tensors": [{"name": s.name, "type": s.ggml_type.name, "dims": list(s.ne)} for s in plan]}
+
+
+def write_drafter_file(out: str | os.PathLike, plan, meta) -> None:
+    """A GGUF of ``meta`` ((key, type, value[, item type]) rows) and ``plan``'s tensors at ``out``
+    (``write_tiny_drafter``'s writer; the tests use it for files with metadata of their own)."""
     with GGUFWriter(out) as w:
         for key, vtype, value, *sub in meta:
             w.add(key, vtype, value, *sub)
@@ -116,5 +124,3 @@ def write_tiny_drafter(cfg: TinyModelConfig, out: str | os.PathLike, kind: str =
         w.write_header()
         for spec in plan:
             w.write_tensor(spec.name, spec.chunks())
-    return {"kind": kind, "file": str(out), "file_bytes": os.path.getsize(out),
-            "tensors": [{"name": s.name, "type": s.ggml_type.name, "dims": list(s.ne)} for s in plan]}

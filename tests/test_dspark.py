@@ -14,10 +14,9 @@ from ds4_mlx.engine.dspark_drafter import DSparkDrafter, load_dspark_drafter
 from ds4_mlx.engine.mtp_drafter import load_mtp_drafter
 from ds4_mlx.errors import DraftError, DrafterError, InferenceError
 from ds4_mlx.formats.gguf import ValueType
-from ds4_mlx.formats.gguf_writer import GGUFWriter
 from ds4_mlx.model.loader import load
 from ds4_mlx.synth import preset_config, write_tiny_model
-from ds4_mlx.synth_drafter import dspark_plan, write_tiny_drafter
+from ds4_mlx.synth_drafter import dspark_plan, write_drafter_file, write_tiny_drafter
 
 # tests/small_model.py's dims (4 layers, a window of 8 raw rows), as tests/test_drafter.py
 SMALL = dict(n_vocab=512, n_layer=4, n_embd=256, n_head=2, head_dim=192, n_out_group=1, q_lora=64, o_lora=32,
@@ -190,16 +189,7 @@ def test_dspark_refused_for_a_preview_target(files):
 
 
 def _write_with_meta(out, cfg, meta):
-    plan = dspark_plan(cfg)
-    with GGUFWriter(out) as w:
-        w.add("general.architecture", ValueType.STRING, "deepseek4")
-        for key, vtype, value, *sub in meta:
-            w.add(key, vtype, value, *sub)
-        for spec in plan:
-            w.add_tensor(spec.name, spec.ggml_type, spec.ne)
-        w.write_header()
-        for spec in plan:
-            w.write_tensor(spec.name, spec.chunks())
+    write_drafter_file(out, dspark_plan(cfg), [("general.architecture", ValueType.STRING, "deepseek4"), *meta])
 
 
 @pytest.mark.parametrize("meta,what", [
