@@ -1,30 +1,20 @@
-"""The decode step (one token, DEFAULT numerics): ``mx.compile`` over the model's own ``Block``
-methods, run on a ``ModelCache`` whose buffers have fixed shapes (``cache.StepAt``).
+"""The decode step (one token, DEFAULT numerics): ``mx.compile`` over ``Block.__call__``, run on a
+``ModelCache`` whose buffers have fixed shapes (``cache.StepAt``).
 
-Nothing here re-assembles a layer: a compiled layer function builds a view of the layer's cache
-over its input arrays (``LayerCache.view``) and calls ``Block.attention_part`` — the very code a
-prefill chunk runs — then ``Block.ffn_pre``. Where the routed experts are chosen on the host
-(``MoE.routes_on_device`` False: numpy top-k, expert slabs read out of the mmap, which a trace
-cannot do) the step is cut at every router:
+Nothing here re-assembles a layer: a compiled layer function builds a view of the layer's cache over
+its input arrays (``LayerCache.view``) and calls the block — the very code a prefill chunk runs —
+with the token id as an int32 array, so with the device routing (``DeviceRouting``: expert ids stay
+on the device) a decode step is one graph with no host break, evaluated once (``step(...,
+evaluate=False)`` leaves even that to the caller, who can then read the sampled token as the step's
+only host sync). A model whose MoEs route on the host (``host_step.HostRouting``) runs
+``host_step.HostStepDecoder`` instead, the one place a block is cut at its router.
 
-    compiled  mixer_fn[il](carry): finish the previous layer's FFN (``Block.ffn_post``), then the
-                  attention mixer's logits (``Block.attention_mix``) -> H, mix
-    eager     the attention mixer's combine matrix from mix, on the host (its Sinkhorn:
-                  ``Block.attention_comb``, ``HyperConnection.comb_on_host``)
-    compiled  layer_fn[il](H, mix, C, pos, rope tables, layer cache arrays)
-                  ``Block.attention_part``, ``Block.ffn_pre`` (HC pre without the Sinkhorn,
-                  ffn_norm, router scores, shared expert)
-              -> (H, xn, post, FFN mixer logits, prob, shared[, choice]), new layer cache arrays
-    eager     expert ids (``MoE.select``), the FFN mixer's combine matrix (``Block.ffn_comb``), the routed
-              experts' weights and products (``ExpertWeights``)
-    compiled  head_fn(carry): finish the last FFN, output HC, norm, output matmul -> logits
-              (or hidden_fn: the same without the matmul, for a pipeline's last rank, which shares
-              the output matrix's rows with rank 0, and for a model whose output matrix is multiplied
-              on the host, ``Model.host_head``, which then follows eagerly; or finish_fn: the last
-              FFN only, H for the next rank)
-
-A MoE that routes on the device (``routes_on_device`` True) has no host break: its whole layer,
-``Block.__call__`` with the token id as an int32 array, is one compiled function per layer.
+    compiled  layer_fn[il](H, token, pos, rope tables, layer cache arrays): ``Block.__call__``
+              -> H, new layer cache arrays
+    compiled  head_fn(H): output HC, norm, output matmul -> logits (or hidden_fn: the same
+              without the matmul, for a pipeline's last rank, which shares the output matrix's rows
+              with rank 0, and for a model whose output matrix is multiplied on the host,
+              ``Model.host_head``, which then follows eagerly; or finish_fn: H for the next rank)
 
 Every input of a compiled function keeps its shape from step to step: the position is an int32
 scalar array, the RoPE tables of the position are [1, n_rot/2] arrays computed in numpy (the same
@@ -52,12 +42,6 @@ compiled and the eager fixed-shape step are bit-identical). So the logits equal 
 decode's up to rounding noise (``tests/test_compiled_decode.py`` measures it), and since the
 shapes depend only on the position, two sessions decoding the same tokens from the same state
 agree bit for bit.
-
-Device experts (``MoE.routes_on_device``, ``ds4_mlx.load(..., experts="device")``): routing and the
-routed experts are MLX ops on resident blocks, so each layer's function is the whole ``Block.__call__``
-(from the token id passed as an int32 array) and the step has no eager part: one graph per token,
-evaluated once (``step(..., evaluate=False)`` leaves even that to the caller, who can then read the
-sampled token as the step's only host sync).
 """
 
 from __future__ import annotations
@@ -69,7 +53,6 @@ import numpy as np
 
 from ds4_mlx.errors import InferenceError
 from ds4_mlx.model.cache import LayerCache, ModelCache, StepAt
-from ds4_mlx.model.host import to_host
 from ds4_mlx.model.rope import Rope
 
 
@@ -127,94 +110,63 @@ def _rope_key(rope: Rope) -> tuple:
     return float(rope.base), float(rope.freq_scale), bool(rope.yarn), int(rope.half)
 
 
-class _Counter:
+class Counter:
+    """How many times a traced body ran (``CompiledDecoder.traces``)."""
+
     n = 0
 
 
-def _finish_ffn(carry: list[mx.array], prev) -> mx.array:
-    """carry = [H] (layer 0, or after a layer routed on the device) or [routed, shared, H, post, C]
-    (the pending FFN of block ``prev``) -> H."""
-    if len(carry) == 1:
-        return carry[0]
-    return prev.ffn_post(*carry)
-
-
-def _mixer_input(block, prev, counter: _Counter):
-    """The previous layer's FFN tail, then layer ``block``'s attention mixer logits: [H, mix]."""
-    def body(carry):
-        counter.n += 1
-        H = _finish_ffn(carry, prev)
-        return [H, block.attention_mix(H)]
-
-    return body
-
-
-def _host_routed_layer(block, template: LayerCache, counter: _Counter, closes: bool):
-    """Layer ``block`` from its input H and its attention mixer's logits and combine matrix (the
-    latter computed on the host) up to its router, whose FFN mixer logits it returns in place of
-    the combine matrix (``Block.ffn_pre(comb_on_host=True)``). ``closes``: the step closes the
-    layer's compressor windows (``StepAt.closes``)."""
-    def body(H, mix, comb, pos, tables, arrays):
+def _layer(block, template: LayerCache, counter: Counter, closes: bool):
+    """Layer ``block`` whole (``Block.__call__``) on a view of its cache's arrays. ``closes``: the step
+    closes the layer's compressor windows (``StepAt.closes``)."""
+    def body(H, token, pos, tables, arrays):
         counter.n += 1
         cache = template.view(arrays, StepAt(pos, *tables, closes=closes))
-        H = block.attention_part(H, cache, mix, comb)
-        xn, post, ffn_mix, prob, shared, choice = block.ffn_pre(H, comb_on_host=True)
-        out = [H, xn, post, ffn_mix, prob, shared] + ([] if choice is None else [choice])
-        return out, cache.arrays()
+        return block(H, token, cache), cache.arrays()
 
     return body
 
 
-def _device_routed_layer(block, prev, template: LayerCache, counter: _Counter, closes: bool):
-    """The whole layer (``Block.__call__``): its MoE routes on the device."""
-    def body(carry, token, pos, tables, arrays):
-        counter.n += 1
-        cache = template.view(arrays, StepAt(pos, *tables, closes=closes))
-        return [block(_finish_ffn(carry, prev), token, cache)], cache.arrays()
-
-    return body
-
-
-def _finish_body(last, counter: _Counter):
+def _tail(model_ref, last, counter: Counter, finish, part: str | None):
+    """The carry after the last block -> H (``finish``: ``finish_ffn``), then ``Model.<part>``: "head"
+    (the logits), "head_hidden" (the normed hidden state a pipeline's last rank sends rank 0), or
+    None (H itself, for the next pipeline stage)."""
     def body(carry):
         counter.n += 1
-        return _finish_ffn(carry, last)
+        H = finish(carry, last)
+        return H if part is None else getattr(model_ref(), part)(H)[0]
 
     return body
 
 
-def _head_body(model_ref, last, counter: _Counter, part: str = "head"):
-    """The last FFN's tail, then ``Model.<part>``: "head" (the logits) or "head_hidden" (the normed
-    hidden state a pipeline's last rank sends rank 0)."""
-    def body(carry):
-        counter.n += 1
-        return getattr(model_ref(), part)(_finish_ffn(carry, last))[0]
-
-    return body
+def _finish_nothing(carry: list[mx.array], block) -> mx.array:
+    return carry[0]
 
 
 class CompiledDecoder:
-    """Decode steps of one DEFAULT-numerics model. ``compile=False`` runs the same fixed-shape
-    functions eagerly (to separate what compilation does from what the fixed shapes do).
+    """Decode steps of one DEFAULT-numerics model whose MoEs route on the device. ``compile=False``
+    runs the same fixed-shape functions eagerly (to separate what compilation does from what the
+    fixed shapes do).
 
     The traced functions hold the blocks and a weak reference to the model (the model holds its
     decoders), so dropping the model frees its weights without waiting for the cycle collector.
     """
 
+    # The carry the layers leave -> H: nothing to finish here; ``HostStepDecoder`` finishes the last
+    # layer's pending FFN.
+    finish_ffn = staticmethod(_finish_nothing)
+
     def __init__(self, model, compile: bool = True):
-        if not model.ops.compilable:
-            raise InferenceError("the compiled decode step exists for DEFAULT numerics only "
-                                 "(ds4-cpu runs its reference arithmetic uncompiled)")
+        model.ops.check_compilable()
         self._model = weakref.ref(model)
         self.compile = compile
-        self._counter = _Counter()
+        self._counter = Counter()
         wrap = mx.compile if compile else (lambda f: f)
+        # ``blocks`` may be a contiguous range of the layers (a pipeline stage): each block finds its
+        # cache by its own index ``il``. The templates give each layer's cache structure (which lanes,
+        # their sizes) for the views built inside the traces; their arrays are never read.
         blocks = model.blocks
-        # The structure of each layer's cache (which lanes, their sizes) for the views built inside
-        # the traces; its arrays are never read.
         templates = model.empty_cache().layers
-        self._device_routed = [b.ffn.routes_on_device for b in blocks]
-        self._any_device_routed = any(self._device_routed)
         # each block's RoPE rows, looked up once here, not per layer and step (blocks with the same
         # RoPE parameters share one ``_RopeRows``)
         shared: dict[tuple, _RopeRows] = {}
@@ -224,26 +176,32 @@ class CompiledDecoder:
             if key not in shared:
                 shared[key] = _RopeRows(b.attn.rope, model.ops)
             self._block_rows.append(shared[key])
-        self._layer_fns = []
-        # ``blocks`` may be a contiguous range of the layers (a pipeline stage, ``pipeline.PipelineModel``):
-        # each block finds its cache by its own index ``il``, and the first one starts from H.
-        self._mixer_fns = []
-        for i, b in enumerate(blocks):
-            prev, template = blocks[i - 1] if i else None, templates[b.il]
-            variants = (False, True) if b.attn.ratio else (False,)
-            # a layer with compressors: one function for the steps that close a window (pool it into
-            # its row), one for the others (only the frontier takes the token)
-            if self._device_routed[i]:
-                self._layer_fns.append({c: wrap(_device_routed_layer(b, prev, template, self._counter, c))
-                                        for c in variants})
-                self._mixer_fns.append(None)
-            else:
-                self._layer_fns.append({c: wrap(_host_routed_layer(b, template, self._counter, c))
-                                        for c in variants})
-                self._mixer_fns.append(wrap(_mixer_input(b, prev, self._counter)))
-        self._head_fn = wrap(_head_body(self._model, blocks[-1], self._counter))
-        self._finish_fn = wrap(_finish_body(blocks[-1], self._counter))
-        self._hidden_fn = wrap(_head_body(self._model, blocks[-1], self._counter, "head_hidden"))
+        self._build_layers(blocks, templates, wrap)
+        last = blocks[-1]
+        self._tails = {until: wrap(_tail(self._model, last, self._counter, self.finish_ffn, part))
+                       for until, part in (("logits", "head"), ("hidden", "head_hidden"), ("H", None))}
+
+    def _build_layers(self, blocks, templates, wrap) -> None:
+        # a layer with compressors: one function for the steps that close a window (pool it into its
+        # row), one for the others (only the frontier takes the token)
+        self._layer_fns = [{c: wrap(_layer(b, templates[b.il], self._counter, c)) for c in self._variants(b)}
+                           for b in blocks]
+
+    @staticmethod
+    def _variants(block) -> tuple[bool, ...]:
+        return (False, True) if block.attn.ratio else (False,)
+
+    @staticmethod
+    def _closes(block, p: int) -> bool:
+        """Position ``p`` closes ``block``'s compressor window."""
+        ratio = block.attn.ratio
+        return bool(ratio) and p % ratio == ratio - 1
+
+    def _tables(self, il: int, p: int) -> list[mx.array]:
+        """The RoPE rows of block ``il`` at ``p`` (and, with compressors, at its window's start)."""
+        rows = self._block_rows[il]
+        ratio = self.model.blocks[il].attn.ratio
+        return [*rows.at(p), *rows.at(p - p % ratio)] if ratio else list(rows.at(p))
 
     @property
     def model(self):
@@ -265,7 +223,11 @@ class CompiledDecoder:
         A model whose output matrix is multiplied on the host (``Model.host_head``) returns them
         evaluated (its input read to the host is the step's one wait): the engine reads every decoded
         token's logits anyway (a suffix of one token decodes, longer ones prefill)."""
-        return self.run(self.model.embed(np.array([token], dtype=np.int64)), token, cache, evaluate=evaluate)
+        model = self.model
+        if model.source is not None:
+            model.source.check_intact()  # weights are about to be read: a truncated file is an error, not SIGBUS
+        carry = self._layers(model.embed(np.array([token], dtype=np.int64)), int(token), cache)
+        return self._finish(carry, cache, "logits", evaluate)
 
     def run(self, H: mx.array, token: int, cache: ModelCache, *, until: str = "logits",
             evaluate: bool = True) -> mx.array:
@@ -273,19 +235,19 @@ class CompiledDecoder:
         pipeline stage's output) at position ``cache.n_tokens``, then, lazily, ``until``:
         "logits", the head (the next-token logits [n_vocab]); "hidden", the head's normed hidden
         state [n_embd] (``Model.head_hidden``: a pipeline's last rank, which shares the output
-        rows with rank 0); "H", only the last block's FFN tail (H for the next pipeline stage).
+        rows with rank 0); "H", only H after the last block (for the next pipeline stage).
         Updates and advances ``cache`` like ``step``."""
-        fn = {"logits": self._head_fn, "hidden": self._hidden_fn, "H": self._finish_fn}.get(until)
-        if fn is None:
+        if until not in self._tails:
             raise InferenceError(f"CompiledDecoder.run: until must be 'logits', 'hidden' or 'H', got {until!r}")
+        return self._finish(self._layers(H, int(token), cache), cache, until, evaluate)
+
+    def _finish(self, carry: list[mx.array], cache: ModelCache, until: str, evaluate: bool) -> mx.array:
+        """The tail function on the layers' carry; advances the cache's position."""
         model = self.model
         host_head = until == "logits" and model.host_head
-        if host_head:
-            fn = self._hidden_fn  # the output matrix is multiplied on the host, outside the trace
-        p = cache.n_tokens
-        carry = self._layers(H, token, cache)
-        out = fn(carry)
-        cache.advance(p + 1)
+        # the output matrix multiplied on the host: outside the trace
+        out = self._tails["hidden" if host_head else until](carry)
+        cache.advance(cache.n_tokens + 1)
         if host_head:
             # its input is read to the host now: the wait for the step (the cache arrays are the
             # layer functions' sibling outputs, computed with it, evaluated as ``evaluate`` says)
@@ -296,42 +258,16 @@ class CompiledDecoder:
 
     def _layers(self, H: mx.array, token: int, cache: ModelCache) -> list[mx.array]:
         """The blocks on H at position ``cache.n_tokens`` (the cache's layer arrays are replaced, its
-        position is not advanced): the carry for the head or the finish function."""
+        position is not advanced): the carry for the tail function."""
         p = cache.n_tokens
         cache.reserve(p)
         pos = mx.array(p, dtype=mx.int32)
-        tokens = np.array([token], dtype=np.int64)
-        # the id as an MLX array only for layers that route on the device (one host array per step)
-        token_arr = mx.array(tokens.astype(np.int32)) if self._any_device_routed else None
-        carry = [H]
+        token_arr = mx.array(np.array([token], dtype=np.int32))
         for il, block in enumerate(self.model.blocks):
-            attn, ffn = block.attn, block.ffn
-            rows = self._block_rows[il]
-            tables = list(rows.at(p))
-            if attn.ratio:
-                tables += list(rows.at(p - p % attn.ratio))
             lc = cache.layers[block.il]
-            fn = self._layer_fns[il][bool(attn.ratio) and p % attn.ratio == attn.ratio - 1]
-            if self._device_routed[il]:
-                carry, arrays = fn(carry, token_arr, pos, tables, lc.arrays())
-                # drop the old buffers before anything is evaluated, so MLX may update them in place
-                lc.set_arrays(arrays)
-                del arrays
-                continue
-            # The mixers' Sinkhorn balancing runs on the host (``Block.attention_comb``/``ffn_comb``): a
-            # chain of ~100 tiny graph nodes each, against reading 24 logits; the attention mixer's
-            # is read here (its own wait), the FFN mixer's with the router's scores.
-            H, mix = self._mixer_fns[il](carry)
-            comb = mx.array(block.attention_comb(to_host(mix, np.float32)))
-            out, arrays = fn(H, mix, comb, pos, tables, lc.arrays())
-            lc.set_arrays(arrays)  # as above: before the router's scores are read
-            H, xn, post, ffn_mix, prob, shared = out[:6]
-            sel = ffn.select(out[6] if len(out) > 6 else None, tokens)
-            comb = mx.array(block.ffn_comb(to_host(ffn_mix, np.float32)))
-            # The router's scores are read (on routed layers; hash layers wait for their mixer's
-            # logits): what the choice did not need (the shared expert, the cache's lanes) runs
-            # on MLX's stream while the host multiplies the routed experts, not after them.
-            mx.async_eval(shared, *arrays)
+            H, arrays = self._layer_fns[il][self._closes(block, p)](H, token_arr, pos, self._tables(il, p),
+                                                                    lc.arrays())
+            # drop the old buffers before anything is evaluated, so MLX may update them in place
+            lc.set_arrays(arrays)
             del arrays
-            carry = [ffn.routed_experts(xn, sel, ffn.route_weights(prob, sel)), shared, H, post, comb]
-        return carry
+        return [H]

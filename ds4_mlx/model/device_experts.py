@@ -11,8 +11,8 @@ Two strategies run the routed experts (``ds4_mlx.load(path, experts=...)``):
   (``mx.take`` on the tid2eid table) run as MLX ops, and the expert ids stay MLX arrays: they index the
   blocks with ``mx.take`` and feed the Metal matvec kernel (Metal) or the MLX-ops twin (gather the k
   blocks, dequantize them with ``mxfp4.expert_rows_mlx``, one batched matvec) everywhere else. A decode
-  step is then one graph with no host break (``compiled_decode`` traces the whole layer when
-  ``MoE.routes_on_device``).
+  step is then one graph with no host break (``DeviceRouting``: ``compiled_decode`` traces the whole
+  layer, ``Block.__call__``).
 
 Cost of ``device``: the expert bytes are resident in MLX memory (on top of the mmap's page cache), i.e.
 the GGUF's routed-expert bytes, ``expert_bytes_resident``: ~80 GiB for DS4 Flash's 2-bit file, all of
@@ -89,11 +89,33 @@ def topk_lowest_id(scores: mx.array, k: int) -> mx.array:
     return mx.concatenate(picks, axis=1).astype(mx.int32)
 
 
+class DeviceRouting:
+    """Expert ids chosen on the device (``MoE.routing`` for the device strategy's resident experts):
+    MLX arrays the expert matvecs index without a host read, so a decode step has no host break."""
+
+    name = "device"
+
+    @staticmethod
+    def table(tid2eid: np.ndarray) -> mx.array:
+        """A hash layer's tid2eid [n_vocab, k] as the int32 MLX array ``select`` gathers from."""
+        return mx.array(np.ascontiguousarray(tid2eid, dtype=np.int32))
+
+    @staticmethod
+    def select(choice: mx.array | None, table: mx.array | None, tokens, k: int) -> mx.array:
+        """int32 [T, k]: ``table[tokens]`` (hash layers; ``tokens`` numpy or an MLX array), else the
+        top-k of ``choice`` (``topk_lowest_id``)."""
+        if table is not None:
+            toks = tokens if isinstance(tokens, mx.array) else mx.array(np.asarray(tokens, dtype=np.int32))
+            return mx.take(table, toks.reshape(-1).astype(mx.int32), axis=0)
+        return topk_lowest_id(choice, k)
+
+
+DEVICE_ROUTING = DeviceRouting()
+
+
 class DeviceExpertWeights(ExpertWeights):
     """``ExpertWeights`` whose raw blocks live in an MLX array and whose ``__call__`` takes expert ids as
     an MLX array without reading them on the host (see the module docstring)."""
-
-    routes_on_device = True
 
     def __init__(self, name, qtype, raw: np.ndarray, n_in: int, backend=None, use_kernels=None):
         super().__init__(name, qtype, raw, n_in, backend, use_kernels)

@@ -55,6 +55,10 @@ class DSparkHead:
                  markov_w1: np.ndarray, markov_w2: np.ndarray, confidence: np.ndarray, source=None):
         self.config, self.ops, self.params = cfg, ops, params
         self.main_proj, self.main_norm, self.stages = main_proj, main_norm, stages
+        # each stage run as a block (``Block.__call__``) whose attention is the stage's non-causal
+        # one over its context rows (``StageAttention``): the same HC and MoE code as a target layer
+        self._stage_blocks = [Block(st.il, st.hc_attn, StageAttention(st.attn, ops), st.hc_ffn, st.ffn)
+                              for st in stages]
         self.output_hc, self.norm = output_hc, norm
         self.markov_w1, self.markov_w2 = markov_w1, markov_w2  # float32 [n_vocab, R] each
         self.confidence = confidence  # float32 [n_embd + R]
@@ -111,23 +115,6 @@ class DSparkHead:
 
     # -- a proposal ----------------------------------------------------------------------------------
 
-    def _stage(self, stage: Block, H: mx.array, ids: np.ndarray, ctx: mx.array, L: int) -> mx.array:
-        """One stage on the block H [B, n_hc, E] (slots at L..L+B-1) over its context rows ctx."""
-        ops, attn = self.ops, stage.attn
-        B = H.shape[0]
-        x, post, comb = stage.hc_attn.pre(H)
-        _, _, q, kv = attn._project(x, B)  # the target attention's projections (attn_norm first)
-        positions = np.arange(L, L + B)
-        cos, sin = ops.rope_tables(attn.rope, positions)
-        q = apply_rope(q, cos, sin)
-        kv = fp8_kv_round(apply_rope(kv, cos, sin), attn.n_nope)
-        keys = mx.concatenate([ctx, kv], axis=0)
-        # non-causal: every slot sees every context row and every slot (ds4's noncausal raw attention)
-        heads = ops.sink_softmax(q, [(keys, np.ones((B, keys.shape[0]), dtype=bool))], attn.sinks, attn.kq_scale)
-        icos, isin = ops.rope_tables(attn.rope, positions, inverse=True)
-        H = stage.hc_attn.post(attn._output(apply_rope(heads, icos, isin)), H, post, comb)
-        return stage.ffn_part(H, ids)
-
     def block_outputs(self, target, rings: list[mx.array], anchor: int, L: int) -> tuple[np.ndarray, np.ndarray]:
         """The block at L with ``anchor`` = t_L over the stages' context rows ``rings`` (those of
         positions max(0, L - n_swa) .. L - 1): (x [B, E], base logits [B, n_vocab]) as float32."""
@@ -137,8 +124,8 @@ class DSparkHead:
             self.source.check_intact()
         with ops.stream():
             H = target.embed(ids)
-            for stage, ctx in zip(self.stages, rings):
-                H = self._stage(stage, H, ids, ctx, L)
+            for block, ctx in zip(self._stage_blocks, rings):
+                H = block(H, ids, StageKeys(ctx, L))
             x = self.output_hc(H)
             base = target.head_logits(ops.rms_norm(x, self.norm, cfg.rms_eps))
             ok = all_finite(base)
@@ -165,6 +152,37 @@ class DSparkHead:
             prev = int(np.argmax(logits))  # the first maximum: ties go to the smaller id, as ds4
             drafts.append(prev)
         return drafts
+
+
+class StageKeys:
+    """What a stage's attention attends to besides the block's own slots: its context rows ``ctx``
+    [n, D] (positions L - n .. L - 1), and the block's first slot position ``L``."""
+
+    def __init__(self, ctx: mx.array, L: int):
+        self.ctx, self.L = ctx, L
+
+
+class StageAttention:
+    """A DSpark stage's attention, in a block's attention slot: the target attention's projections and
+    output, queries from the B slots at L..L+B-1, keys = the context rows ++ the slots' own KV rows,
+    non-causal (every slot sees every key: ds4's noncausal raw attention), with sinks."""
+
+    def __init__(self, attn, ops: DefaultOps):
+        self.attn, self.ops = attn, ops
+
+    def __call__(self, x: mx.array, keys: StageKeys) -> mx.array:
+        ops, attn = self.ops, self.attn
+        B = x.shape[0]
+        _, _, q, kv = attn._project(x, B)  # the target attention's projections (attn_norm first)
+        positions = np.arange(keys.L, keys.L + B)
+        cos, sin = ops.rope_tables(attn.rope, positions)
+        q = apply_rope(q, cos, sin)
+        kv = fp8_kv_round(apply_rope(kv, cos, sin), attn.n_nope)
+        all_keys = mx.concatenate([keys.ctx, kv], axis=0)
+        heads = ops.sink_softmax(q, [(all_keys, np.ones((B, all_keys.shape[0]), dtype=bool))], attn.sinks,
+                                 attn.kq_scale)
+        icos, isin = ops.rope_tables(attn.rope, positions, inverse=True)
+        return attn._output(apply_rope(heads, icos, isin))
 
 
 def _sigmoid(c: float) -> float:

@@ -10,7 +10,7 @@ A call of the layer (one decoded token, or a prefill chunk):
 
 1. the expert ids reach the host (one sync per MoE layer, as the host strategy: a miss needs a
    read from the mapping, so the layer cannot stay inside a host-free compiled graph;
-   ``MoE.routes_on_device`` is False and ``compiled_decode`` cuts the step at the router);
+   its MoEs route with ``host_step.HostRouting`` and the decode step is cut at the router);
 2. the policy (``expert_cache_policy``, pure bookkeeping) assigns slots: hits pinned, misses to
    free slots or victims; the misses of all three tensors are read from the mapping in one batched
    copy per tensor and written into their slots at the gate call, before gate, up and down run;
@@ -186,8 +186,6 @@ class ExpertCacheSet:
 
 class CachedDeviceExpertWeights(DeviceExpertWeights):
     """A device expert tensor whose blocks live in its layer's slots (see the module docstring)."""
-
-    routes_on_device = False  # the ids come to the host: misses are read from the mapping
 
     def __init__(self, name, qtype, raw: np.ndarray, n_in: int, cache: LayerExpertCache, backend=None,
                  use_kernels=None, source=None):

@@ -82,7 +82,6 @@ class OwnedExperts:
         self.inner, self.owned = inner, owned
         self.name = inner.name
         self.shape = (int(n_expert), inner.shape[1], inner.shape[2])
-        self.routes_on_device = bool(getattr(inner, "routes_on_device", False))
 
     @classmethod
     def from_gguf(cls, expert_cls, gguf_file, name: str, owned: range, backend=None,
@@ -117,7 +116,7 @@ class OwnedExperts:
         self.inner.reset_counters()
 
     def __call__(self, x: mx.array, ids) -> mx.array:
-        if isinstance(ids, mx.array) and self.routes_on_device and ids.ndim == 2 and ids.size <= DEVICE_MAX_PAIRS:
+        if isinstance(ids, mx.array) and ids.ndim == 2 and ids.size <= DEVICE_MAX_PAIRS:
             return self._masked(x, ids)
         # A call one process would group by expert (host ids, or more pairs than a device step):
         # the owned pairs go through that same grouping, never through the device strategy's

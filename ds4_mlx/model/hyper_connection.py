@@ -14,10 +14,7 @@ Shapes: H [T, n_hc, D]; mix [T, 2·n_hc + n_hc²]; pre, post [T, n_hc]; C [T, n_
 from __future__ import annotations
 
 import mlx.core as mx
-import numpy as np
 
-from ds4_mlx import native
-from ds4_mlx.model.host import to_host
 from ds4_mlx.model.linear import DenseWeight
 from ds4_mlx.model.ops import DefaultOps
 
@@ -29,7 +26,6 @@ class HyperConnection:
                  hc_eps: float, norm_eps: float, ops: DefaultOps):
         self.fn, self.scale, self.base, self.ops = fn, scale, base, ops
         self.n_hc, self.iters, self.hc_eps, self.norm_eps = n_hc, sinkhorn_iter, hc_eps, norm_eps
-        self._host_params: tuple[np.ndarray, np.ndarray] | None = None  # scale, base for comb_on_host
 
     def mix(self, H: mx.array) -> mx.array:
         """H [T, n, D] -> the mixer's logits mix [T, 2n+n²] (RMSNorm of the flattened streams, then fn)."""
@@ -43,12 +39,10 @@ class HyperConnection:
         post = ops.post_gain(mix[:, n: 2 * n] * self.scale[1] + self.base[n: 2 * n])
         return pre, post
 
-    def split(self, mix: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """mix [T, 2n+n²] -> (pre [T, n], post [T, n], C [T, n, n])."""
+    def comb(self, mix: mx.array) -> mx.array:
+        """mix [T, 2n+n²] -> the Sinkhorn-balanced combine matrix C [T, n, n]."""
         n, eps, ops = self.n_hc, self.hc_eps, self.ops
         T = mix.shape[0]
-        pre, post = self.gains(mix)
-
         c = (mix[:, 2 * n:] * self.scale[2] + self.base[2 * n:]).reshape(T, n, n)
         c = ops.exp(c - mx.max(c, axis=-1, keepdims=True))
         c = c * (1.0 / ops.small_sum(c, -1, keepdims=True)) + eps
@@ -56,67 +50,21 @@ class HyperConnection:
         for _ in range(1, self.iters):
             c = c * (1.0 / (ops.small_sum(c, -1, keepdims=True) + eps))
             c = c * (1.0 / (ops.small_sum(c, -2, keepdims=True) + eps))
-        return pre, post, c
-
-    def pre(self, H: mx.array, mix: mx.array | None = None,
-            comb: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
-        """H [T, n, D] -> (sub-layer input x [T, D], post [T, n], C [T, n, n]). ``mix``, ``comb``: this
-        H's logits (``mix(H)``) and their combine matrix computed already (``comb_on_host``): no
-        Sinkhorn here then."""
-        mix = self.mix(H) if mix is None else mix
-        if comb is None:
-            pre, post, comb = self.split(mix)
-            return self.ops.weighted_streams(H, pre), post, comb
-        return (*self.reduce(H, mix), comb)
+        return c
 
     def reduce(self, H: mx.array, mix: mx.array) -> tuple[mx.array, mx.array]:
-        """``pre`` without the combine matrix: (sub-layer input x [T, D], post [T, n]) from H and its
-        logits ``mix``."""
+        """H [T, n, D] and its logits ``mix`` -> (sub-layer input x [T, D], post [T, n])."""
         pre, post = self.gains(mix)
         return self.ops.weighted_streams(H, pre), post
 
-    def comb_on_host(self, mix: np.ndarray) -> np.ndarray:
-        """``split``'s combine matrix computed on the host from the logits ``mix`` float32 [T, 2n+n²]
-        -> [T, n, n]: by the native library (``native/hc.c``), or in numpy without it (the same
-        float32 steps in the same order). DEFAULT numerics' arithmetic up to expf's last bit: the
-        compiled decode step uses it (``compiled_decode``), ds4-cpu keeps its exact MLX ops."""
-        if self._host_params is None:
-            self._host_params = (to_host(self.scale, np.float32).reshape(-1),
-                                 to_host(self.base, np.float32).reshape(-1))
-        scale, base = self._host_params
-        lib = native.library()
-        if lib is not None:
-            return native.hc_sinkhorn(lib, mix, self.n_hc, scale, base, self.iters, self.hc_eps)
-        return sinkhorn_numpy(mix, self.n_hc, scale, base, self.iters, self.hc_eps)
+    def pre(self, H: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """H [T, n, D] -> (sub-layer input x [T, D], post [T, n], C [T, n, n])."""
+        mix = self.mix(H)
+        return (*self.reduce(H, mix), self.comb(mix))
 
     def post(self, f: mx.array, H: mx.array, post: mx.array, comb: mx.array) -> mx.array:
         """H'[d] = post[d]·f + Σ_s C[s][d]·H[s]   (f [T, D]) -> [T, n, D]."""
         return self.ops.hc_post(f, H, post, comb)
-
-
-def sinkhorn_numpy(mix: np.ndarray, n: int, scale: np.ndarray, base: np.ndarray, iters: int,
-                   eps: float) -> np.ndarray:
-    """``native.hc_sinkhorn`` in numpy (float32 steps, sums in index order): its fallback and twin."""
-    f32 = np.float32
-    eps = f32(eps)
-    T = mix.shape[0]
-    c = (mix[:, 2 * n:].astype(f32) * f32(scale[2]) + base[2 * n:].astype(f32)).reshape(T, n, n)
-    c = np.exp(c - c.max(axis=-1, keepdims=True))
-
-    def total(a: np.ndarray, axis: int) -> np.ndarray:
-        parts = np.moveaxis(a, axis, 0)
-        acc = parts[0].copy()
-        for p in parts[1:]:
-            acc = acc + p
-        return np.expand_dims(acc, axis)
-
-    with np.errstate(all="ignore"):
-        c = c * (f32(1) / total(c, -1)) + eps
-        c = c * (f32(1) / (total(c, -2) + eps))
-        for _ in range(1, iters):
-            c = c * (f32(1) / (total(c, -1) + eps))
-            c = c * (f32(1) / (total(c, -2) + eps))
-    return c.astype(f32)
 
 
 class OutputHC:

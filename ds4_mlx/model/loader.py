@@ -19,13 +19,14 @@ from ds4_mlx.formats.ggml_types import GGMLType
 from ds4_mlx.formats.gguf import GGUFFile
 from ds4_mlx.formats.layout import load_model_file
 from ds4_mlx.model.attention import Attention
-from ds4_mlx.model.compiled_decode import probe_compiler
+from ds4_mlx.model.compiled_decode import CompiledDecoder, probe_compiler
 from ds4_mlx.model.compressor import Compressor
-from ds4_mlx.model.device_experts import DeviceExpertWeights, resolve_strategy
+from ds4_mlx.model.device_experts import DEVICE_ROUTING, DeviceExpertWeights, resolve_strategy
 from ds4_mlx.model.expert_budget import parse_experts_cache, plan_cache
 from ds4_mlx.model.expert_cache import CachedDeviceExpertWeights, ExpertCacheSet, check_policy
 from ds4_mlx.model.expert_cache_policy import DEFAULT_POLICY
 from ds4_mlx.model.experts import EXPERT_CACHE, ExpertWeights, routed_resident_nbytes
+from ds4_mlx.model.host_step import HOST_ROUTING, HostStepDecoder
 from ds4_mlx.model.hyper_connection import HyperConnection, OutputHC
 from ds4_mlx.model.indexer import Indexer
 from ds4_mlx.model.linear import Backend, DenseWeight, resolve_backend
@@ -83,6 +84,12 @@ class _Weights:
         self.ekw = self.kw if kernels is None else {**self.kw, "use_kernels": kernels}
         self.strategy = experts
         self.expert_cls = DeviceExpertWeights if experts == "device" else ExpertWeights
+        # Where the MoEs choose their experts, and the decode step that follows from it: on the device
+        # when every expert is resident (the whole layer compiles), on the host otherwise (the host
+        # strategy; a bounded cache, whose misses are read from the file).
+        on_device = experts == "device" and caches is None
+        self.routing = DEVICE_ROUTING if on_device else HOST_ROUTING
+        self.decoder = CompiledDecoder if on_device else HostStepDecoder
         self.owned = owned  # an expert-parallel rank's routed experts (None: all of them)
         self.kinds: dict[str, str] = {}
 
@@ -213,7 +220,7 @@ def _block(cfg: ModelConfig, w: _Weights, il: int, ops: DefaultOps, gather=None,
               gate_sh=w.dense(f"{p}ffn_gate_shexp.weight"), up_sh=w.dense(f"{p}ffn_up_shexp.weight"),
               down_sh=w.dense(f"{p}ffn_down_shexp.weight"),
               n_used=cfg.n_expert_used, weight_scale=cfg.expert_weights_scale, clamp=cfg.swiglu_clamp[il], eps=eps,
-              ops=ops, gather=gather)
+              ops=ops, routing=w.routing, gather=gather)
     return Block(il, hc("attn"), attn, hc("ffn"), ffn)
 
 
@@ -503,7 +510,7 @@ def _build(f: GGUFFile, cfg: ModelConfig, mode: Numerics, backend: str | None, s
     if len(rows):
         output = w.dense("output.weight", rows)
     parts = dict(embedding=embedding, blocks=blocks, output_hc=output_hc, output_norm=output_norm,
-                 output=output, source=f,
+                 output=output, source=f, decoder=w.decoder,
                  host_head=output is not None and host_head(mode, strategy, backend, output.qtype))
     if group is None:
         model = Model(cfg, ops, **parts)

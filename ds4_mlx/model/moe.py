@@ -8,10 +8,11 @@
     mid_i  = silu(min(gate_i·xn, c)) · clip(up_i·xn, -c, c) · w_i          (router weight before down)
     f      = Σ_i down_i·mid_i  +  down_sh·(silu(min(gate_sh·xn, c)) · clip(up_sh·xn, -c, c))
 
-Routing follows the expert strategy (``device_experts``): with host experts the ids are chosen in
-numpy; with device experts (``routes_on_device``) they stay MLX arrays (``topk_lowest_id``, tid2eid by
-``mx.take``), so the layer has no host break and a compiled decode step can trace all of it. Both
-strategies select the same ids (the same tie rule on the same scores).
+Where the ids are chosen is the ``routing`` object the loader hands in (its load plan decides once):
+``device_experts.DeviceRouting`` keeps them MLX arrays (``topk_lowest_id``, tid2eid by ``mx.take``), so
+the layer has no host break and a compiled decode step traces all of it; ``host_step.HostRouting``
+chooses them in numpy (the host expert strategy, and the bounded device cache, whose misses are read
+from the file). Both select the same ids (the same tie rule on the same scores).
 """
 
 from __future__ import annotations
@@ -19,9 +20,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ds4_mlx.model.device_experts import topk_lowest_id
 from ds4_mlx.model.experts import ExpertWeights
-from ds4_mlx.model.host import to_host
 from ds4_mlx.model.linear import DenseWeight
 from ds4_mlx.model.ops import DefaultOps
 
@@ -36,7 +35,8 @@ class MoE:
     def __init__(self, *, ffn_norm: mx.array, router: DenseWeight, bias: mx.array | None,
                  tid2eid: np.ndarray | None, gate_exps: ExpertWeights, up_exps: ExpertWeights,
                  down_exps: ExpertWeights, gate_sh: DenseWeight, up_sh: DenseWeight, down_sh: DenseWeight,
-                 n_used: int, weight_scale: float, clamp: float, eps: float, ops: DefaultOps, gather=None):
+                 n_used: int, weight_scale: float, clamp: float, eps: float, ops: DefaultOps, routing,
+                 gather=None):
         self.ffn_norm, self.router, self.bias, self.tid2eid = ffn_norm, router, bias, tid2eid
         self.gate_exps, self.up_exps, self.down_exps = gate_exps, up_exps, down_exps
         self.gate_sh, self.up_sh, self.down_sh = gate_sh, up_sh, down_sh
@@ -45,12 +45,10 @@ class MoE:
         # Where the routed experts' outputs come together before their sum: here (one process), or
         # across ranks (``expert_parallel.RankGather``: each rank computed its own experts' pairs).
         self.gather = _local if gather is None else gather
-        # True when expert choice and expert matmuls run on the device (the device strategy: no host
-        # break), so the compiled decode step compiles the whole layer (``compiled_decode``)
-        self.routes_on_device = bool(getattr(gate_exps, "routes_on_device", False))
-        self.tid2eid_device = None
-        if tid2eid is not None and self.routes_on_device:
-            self.tid2eid_device = mx.array(np.ascontiguousarray(tid2eid, dtype=np.int32))
+        # Where the expert ids are chosen (``DeviceRouting`` / ``HostRouting``), and the hash table in
+        # the form it reads.
+        self.routing = routing
+        self.table = None if tid2eid is None else routing.table(tid2eid)
 
     def _swiglu(self, gate: mx.array, up: mx.array) -> mx.array:
         c = self.clamp
@@ -66,19 +64,9 @@ class MoE:
 
     def select(self, choice: mx.array | None, tokens) -> np.ndarray | mx.array:
         """Selected expert ids int32 [T, k]: tid2eid[token] on hash layers, else the top-k of
-        ``choice`` (a stable sort of the negated scores = ds4's insertion top-k with strict '>').
-        numpy with host experts; an MLX array (never read back) with device experts, where ``tokens``
-        may be an MLX array too."""
-        if self.routes_on_device:
-            if self.tid2eid_device is not None:
-                toks = tokens if isinstance(tokens, mx.array) else mx.array(np.asarray(tokens, dtype=np.int32))
-                return mx.take(self.tid2eid_device, toks.reshape(-1).astype(mx.int32), axis=0)
-            return topk_lowest_id(choice, self.n_used)
-        if self.tid2eid is not None:
-            sel = self.tid2eid[tokens]
-        else:
-            sel = np.argsort(-to_host(choice, np.float32), axis=1, kind="stable")[:, : self.n_used]
-        return np.ascontiguousarray(sel, dtype=np.int32)
+        ``choice`` (ds4's insertion top-k with strict '>': ties to the lower id), where the routing
+        keeps them (numpy on the host, an MLX array never read back on the device)."""
+        return self.routing.select(choice, self.table, tokens, self.n_used)
 
     def route_weights(self, prob: mx.array, sel) -> mx.array:
         """w_i = prob[sel_i] / max(Σ prob[sel], 2^-14) · scale   [T, k]."""

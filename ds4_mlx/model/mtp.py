@@ -119,10 +119,10 @@ class MTPHead:
         with self.ops.stream():
             H = self.inputs(target, tokens, h)
             window.bind(ChunkAt(p0, len(tokens), self.ops))
-            # every row's KV enters the window; only the last row's output is wanted, so the MoE
-            # runs on that row alone (no other row's output reaches it)
-            H = self.block.attention_part(H, window)[-1:]
-            H = self.block.ffn_part(H, tokens[-1:])
+            # every row's KV enters the window; only the last row's output is wanted (the other
+            # rows' FFNs are computed and dropped: a layer has one way through it, Block.__call__,
+            # and the anchored steps that feed several rows are the rare case)
+            H = self.block(H, tokens, window)[-1:]
             out = None
             if logits:
                 x = self.ops.rms_norm(self.output_hc(H), self.norm, self.config.rms_eps)

@@ -25,6 +25,7 @@ from enum import Enum
 import mlx.core as mx
 import numpy as np
 
+from ds4_mlx.errors import InferenceError
 from ds4_mlx.model.numerics import expf_glibc, ordered_sum, sequential_sum
 
 NEG_INF = float("-inf")
@@ -66,6 +67,13 @@ class DefaultOps:
     def stream(self):
         """The context the forward pass runs in (the default device here)."""
         return contextlib.nullcontext()
+
+    def check_compilable(self) -> None:
+        """Raise unless a decode step in these numerics may be ``mx.compile``d (the compiled decoder's
+        guard: ds4-cpu's reference arithmetic reads to the host and is never compiled)."""
+        if not self.compilable:
+            raise InferenceError(f"the compiled decode step exists for DEFAULT numerics only "
+                                 f"({self.numerics.value} runs its reference arithmetic uncompiled)")
 
     # -- matmuls -----------------------------------------------------------------------------------
 

@@ -8,7 +8,8 @@
 ``Model.forward_chunk`` runs a chunk of tokens layer-major (all tokens through layer 0, then
 layer 1, …) from a ``ModelCache`` and returns the cache after them (a copy: the caller's cache is
 never changed). ``Model.step`` feeds one token through the compiled decode step
-(``compiled_decode``: ``mx.compile`` over these same ``Block`` methods), updating the cache in place.
+(``compiled_decode``: ``mx.compile`` over ``Block.__call__``; ``host_step`` for MoEs routed on the
+host), updating the cache in place.
 ``Model.forward_verify`` is the chunk path for a speculative verify: every position's logits and H
 after the last block (what an MTP drafter reads), and a cache that can roll back into the chunk.
 """
@@ -35,70 +36,27 @@ from ds4_mlx.model.runner import Runner
 
 
 class Block:
-    """One transformer layer: HC-wrapped attention, then HC-wrapped MoE."""
+    """One transformer layer: HC-wrapped attention, then HC-wrapped MoE. ``__call__`` is the only way
+    through it, for prefill chunks, decode steps (compiled or not) and every distributed mode
+    (``host_step`` alone takes a block apart, for MoEs that route on the host inside a compiled step)."""
 
     def __init__(self, il: int, hc_attn: HyperConnection, attn: Attention, hc_ffn: HyperConnection, ffn: MoE):
         self.il, self.hc_attn, self.attn, self.hc_ffn, self.ffn = il, hc_attn, attn, hc_ffn, ffn
 
-    def attention_part(self, H: mx.array, cache: LayerCache, mix: mx.array | None = None,
-                       comb: mx.array | None = None) -> mx.array:
-        """HC-wrapped attention: H [T, n_hc, n_embd] at the cache's bound positions -> H. ``mix``,
-        ``comb``: the mixer's logits and combine matrix computed already (``HyperConnection.pre``)."""
-        x, post, comb = self.hc_attn.pre(H, mix, comb)
-        return self.hc_attn.post(self.attn(x, cache), H, post, comb)
-
-    def ffn_part(self, H: mx.array, tokens) -> mx.array:
-        """HC-wrapped MoE (``tokens``: this position's input ids, for hash routing)."""
+    def __call__(self, H: mx.array, tokens, cache: LayerCache) -> mx.array:
+        """H [T, n_hc, n_embd] at the cache's bound positions -> H after the layer (``cache`` takes
+        the tokens; ``tokens``: these positions' input ids, numpy or an int32 MLX array, for hash
+        routing)."""
+        x, post, comb = self.hc_attn.pre(H)
+        H = self.hc_attn.post(self.attn(x, cache), H, post, comb)
         x, post, comb = self.hc_ffn.pre(H)
         return self.hc_ffn.post(self.ffn(x, tokens), H, post, comb)
-
-    # The FFN split at the router, for a decode step whose routing runs on the host (the MoE does not
-    # route on the device): ``ffn_pre`` is everything before the expert choice, ``ffn_post`` after the
-    # routed experts; together with ``MoE.route_weights`` / ``routed_experts`` they are ``ffn_part``.
-
-    # The mixers' Sinkhorn on the host, for the compiled decode step (``HyperConnection.comb_on_host``):
-    # the attention mixer's logits, then each mixer's combine matrix from logits read to the host.
-
-    def attention_mix(self, H: mx.array) -> mx.array:
-        """H -> the attention mixer's logits (``attention_part``'s ``mix``)."""
-        return self.hc_attn.mix(H)
-
-    def attention_comb(self, mix: np.ndarray) -> np.ndarray:
-        """The attention mixer's combine matrix from its logits, computed on the host."""
-        return self.hc_attn.comb_on_host(mix)
-
-    def ffn_comb(self, mix: np.ndarray) -> np.ndarray:
-        """The FFN mixer's combine matrix from its logits (``ffn_pre(comb_on_host=True)``), on the host."""
-        return self.hc_ffn.comb_on_host(mix)
-
-    def ffn_pre(self, H: mx.array, comb_on_host: bool = False) -> tuple[mx.array, ...]:
-        """H -> (xn, post, comb, prob, shared expert output, selection scores or None); with
-        ``comb_on_host`` the FFN mixer's logits in place of comb, whose Sinkhorn the caller computes
-        on the host (``HyperConnection.comb_on_host``)."""
-        ffn = self.ffn
-        if comb_on_host:
-            comb = self.hc_ffn.mix(H)  # the logits, in comb's place
-            x, post = self.hc_ffn.reduce(H, comb)
-        else:
-            x, post, comb = self.hc_ffn.pre(H)
-        xn = ffn.ops.rms_norm(x, ffn.ffn_norm, ffn.eps)
-        prob, choice = ffn.router_scores(xn)
-        return xn, post, comb, prob, ffn.shared_expert(xn), choice
-
-    def ffn_post(self, routed: mx.array, shared: mx.array, H: mx.array, post: mx.array,
-                 comb: mx.array) -> mx.array:
-        return self.hc_ffn.post(self.ffn.combine(routed, shared), H, post, comb)
-
-    def __call__(self, H: mx.array, tokens, cache: LayerCache) -> mx.array:
-        """H [T, n_hc, n_embd] at the cache's bound positions -> H after the layer (``cache``
-        takes the tokens)."""
-        return self.ffn_part(self.attention_part(H, cache), tokens)
 
 
 class Model:
     def __init__(self, cfg: ModelConfig, ops: DefaultOps, *, embedding: np.ndarray, blocks: list[Block],
                  output_hc: OutputHC, output_norm: mx.array, output: DenseWeight, source=None,
-                 host_head: bool = False):
+                 host_head: bool = False, decoder=CompiledDecoder):
         self.config, self.ops = cfg, ops
         self.embedding = embedding  # [n_vocab, n_embd] float16 (mmap view), rows gathered per token
         self.blocks, self.output_hc, self.output_norm, self.output = blocks, output_hc, output_norm, output
@@ -106,10 +64,17 @@ class Model:
         # The output matrix multiplied on the host by the native library, read from its Q8_0 blocks
         # (``DenseWeight.host_product``; the loader decides: ``loader.host_head``), not by MLX as float32.
         self.host_head = bool(host_head) and output is not None
+        # The decode step's class, chosen by the loader with the MoEs' routing: ``CompiledDecoder``
+        # (device routing: each layer is ``Block.__call__``) or ``host_step.HostStepDecoder``.
+        self._decoder_cls = decoder
         self._decoders: dict[bool, object] = {}
         # The bounded device expert cache (``expert_cache.ExpertCacheSet``; the loader sets it), or
         # None: every routed expert resident (device strategy) or read per call (host strategy).
         self.expert_cache = None
+        # What the loader resolved and planned (``load_plan.LoadPlan``, ``memory_plan.MemoryPlan``); it
+        # sets them once the model is built.
+        self.load_plan = None
+        self.memory_plan = None
 
     @property
     def numerics(self) -> Numerics:
@@ -118,10 +83,9 @@ class Model:
 
     @property
     def expert_strategy(self) -> str:
-        """The routed-expert strategy the blocks were built with (``device_experts``): "device" when
-        their MoEs route on the device, else "host"."""
-        bounded = getattr(self, "expert_cache", None) is not None  # device, routing on the host
-        return "device" if bounded or any(b.ffn.routes_on_device for b in self.blocks) else "host"
+        """The routed-expert strategy the blocks were built with (``device_experts``), as the load plan
+        resolved it: "device" (every expert resident, or a bounded cache of them) or "host"."""
+        return self.load_plan.experts
 
     def embed(self, tokens: np.ndarray) -> mx.array:
         """[T] ids -> H [T, n_hc, n_embd]: the F16 row in every stream."""
@@ -154,7 +118,7 @@ class Model:
         """The (cached) ``CompiledDecoder`` of this model; ``compile=False``: the same fixed-shape
         step run eagerly."""
         if compile not in self._decoders:
-            self._decoders[compile] = CompiledDecoder(self, compile=compile)
+            self._decoders[compile] = self._decoder_cls(self, compile=compile)
         return self._decoders[compile]
 
     def empty_cache(self) -> ModelCache:
@@ -165,8 +129,6 @@ class Model:
         """Feed one token through the compiled decode step (DEFAULT numerics); updates ``cache`` in
         place and returns the next-token logits, lazily (``evaluate=False``: the cache's new arrays
         too, see ``CompiledDecoder.step``)."""
-        if self.source is not None:
-            self.source.check_intact()
         return self.decoder().step(int(token), cache, evaluate=evaluate)
 
     def forward_chunk(self, tokens: np.ndarray, cache: ModelCache,
