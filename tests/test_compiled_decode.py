@@ -32,7 +32,9 @@ import ds4_mlx
 from ds4_mlx.errors import InferenceError
 from ds4_mlx.model import cache as model_cache
 from ds4_mlx.model.cache import ModelCache, capacity_for
-from ds4_mlx.model.hyper_connection import HyperConnection
+from ds4_mlx.model.compiled_decode import CompiledDecoder
+from ds4_mlx.model.device_experts import DEVICE_ROUTING
+from ds4_mlx.model.host_step import HOST_ROUTING, HostMixer, HostStepDecoder
 from ds4_mlx.model.numerics import EMPTY_SCORE
 
 N_LONG = 300  # decode steps of the teacher-forced comparison (positions 1..300)
@@ -49,10 +51,11 @@ def model(tiny_model_path):
 
 
 def mlx_sinkhorn(self, mix):
-    """``HyperConnection.comb_on_host`` computed with the chunk path's MLX ops, for comparisons of
-    what the fixed shapes and compilation change alone (the host's expf differs in the last bits,
-    which FP8 rounding of the KV rows then amplifies: ``test_host_sinkhorn.py`` measures that)."""
-    return np.array(self.split(mx.array(mix))[2])
+    """``host_step.HostMixer.comb`` computed with the chunk path's MLX ops (``HyperConnection.comb``),
+    for comparisons of what the fixed shapes and compilation change alone (the host's expf differs in
+    the last bits, which FP8 rounding of the KV rows then amplifies: ``test_host_sinkhorn.py``
+    measures that)."""
+    return np.array(self.hc.comb(mx.array(mix)))
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +69,7 @@ def long_run(model, tokens):
     b.prefill(tokens[:1])
     ref, got, traces = [], [], []
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(HyperConnection, "comb_on_host", mlx_sinkhorn)
+        mp.setattr(HostMixer, "comb", mlx_sinkhorn)
         for t in tokens[1: 1 + N_LONG]:
             a.eval(t)
             b.eval(t)
@@ -123,7 +126,7 @@ def test_compiled_decode_matches_uncompiled_over_300_steps(long_run):
 def _mixers(model) -> int:
     """Layers whose attention mixer's logits get a function of their own (host-routed layers: the
     Sinkhorn runs on the host between it and the layer's function)."""
-    return sum(1 for b in model.blocks if not b.ffn.routes_on_device)
+    return len(model.blocks) if isinstance(model.decoder(), HostStepDecoder) else 0
 
 
 def _expected_traces(model, positions, capacity_at) -> list[int]:
@@ -157,9 +160,7 @@ def test_no_retrace_per_token(model, long_run):
 
 @needs_compile
 def test_first_step_traces_every_function(model, tokens):
-    from ds4_mlx.model.compiled_decode import CompiledDecoder
-
-    dec = CompiledDecoder(model)  # a fresh decoder: nothing traced yet
+    dec = type(model.decoder())(model)  # a fresh decoder of the model's kind: nothing traced yet
     cache = ModelCache.empty(model.config)
     assert dec.traces == 0
     mx.eval(dec.step(tokens[0], cache))
@@ -172,14 +173,12 @@ def test_first_step_traces_every_function(model, tokens):
 def test_buffer_growth_retraces_once_per_capacity(model, tokens, monkeypatch):
     """Row buffers grow by doubling; each growth is one new shape for the functions of layers
     with compressed rows (one more trace each); dense layers and the head keep theirs."""
-    from ds4_mlx.model.compiled_decode import CompiledDecoder
-
     monkeypatch.setattr(model_cache, "MIN_CAPACITY", 128)
     s = model.new_session(ctx=4096, compile=False)
     s.prefill(tokens[:120])
     cache = s.state.copy()
     assert cache.capacity == 128
-    dec = CompiledDecoder(model)
+    dec = type(model.decoder())(model)
     n_fns = model.config.n_layer + 1 + _mixers(model)
     n_grown = sum(1 for il in range(model.config.n_layer) if model.config.compress_ratio(il))
     counts = []
@@ -384,30 +383,26 @@ def test_device_routed_moe_compiles_whole_layers(tiny_model_path, tokens, monkey
     ``Block.__call__`` with no host break; run eagerly, it gives the bits of the same model's
     host-routed wiring (router read on the host, the same expert arithmetic; the host wiring's
     mixers balanced with the MLX ops here, as in the device layer, instead of ``hc.c``)."""
-    import ds4_mlx
-    from ds4_mlx.model.compiled_decode import CompiledDecoder
-
-    monkeypatch.setattr(HyperConnection, "comb_on_host", mlx_sinkhorn)
+    monkeypatch.setattr(HostMixer, "comb", mlx_sinkhorn)
 
     model = ds4_mlx.load(tiny_model_path, experts="device").network
     s = model.new_session(ctx=4096, compile=False)
     s.prefill(tokens[:70])
+    assert type(model.decoder()) is CompiledDecoder
     whole = CompiledDecoder(model, compile=False)
-    assert whole._device_routed == [True] * model.config.n_layer
-    for block in model.blocks:
-        monkeypatch.setattr(block.ffn, "routes_on_device", False)
-    host = CompiledDecoder(model, compile=False)
-    assert host._device_routed == [False] * model.config.n_layer
+    host = HostStepDecoder(model, compile=False)
     ca, cb = s.state.copy(), s.state.copy()
-    def routed_on_device(flag):  # what MoE.select reads at call time
+
+    def route(routing):  # where MoE.select chooses the ids, as the loader would have built it
         for block in model.blocks:
-            block.ffn.routes_on_device = flag
+            ffn = block.ffn
+            ffn.routing, ffn.table = routing, None if ffn.tid2eid is None else routing.table(ffn.tid2eid)
 
     for t in tokens[70:74]:
+        route(HOST_ROUTING)
         la = host.step(t, ca)
-        routed_on_device(True)
+        route(DEVICE_ROUTING)
         lb = whole.step(t, cb)
-        routed_on_device(False)
         assert np.array_equal(bits(la), bits(lb))
     assert whole.traces == 4 * (model.config.n_layer + 1)
     assert_states_bit_equal(ca, cb)

@@ -10,6 +10,7 @@ import pytest
 import ds4_mlx
 from ds4_mlx.model import experts as ex
 from ds4_mlx.model import metal_kernels
+from ds4_mlx.model.host_step import HostStepDecoder
 from ds4_mlx.synth import q2_k_random_blocks
 
 from host_traffic import HostTraffic  # benchmarks/, on the path by conftest
@@ -35,9 +36,11 @@ def test_steady_decode_step_builds_no_rope_or_expert_index_arrays(model):
             s.logits()
     per_token = {k: v / steps for k, v in traffic.by_site.items()}
     # the position scalar, and per host-routed layer the two mixers' combine matrices (computed on
-    # the host, ``HyperConnection.comb_on_host``); no RoPE rows, no index arrays
-    mixers = 2 * sum(1 for b in model.blocks if not b.ffn.routes_on_device)
-    assert per_token.get(("compiled_decode.py", "mx.array"), 0) <= 1 + mixers, per_token
+    # the host, ``host_step.HostMixer``); no RoPE rows, no index arrays
+    assert isinstance(model.decoder(), HostStepDecoder)  # the CPU's host strategy: every layer host-routed
+    mixers = 2 * len(model.blocks)
+    made = per_token.get(("compiled_decode.py", "mx.array"), 0) + per_token.get(("host_step.py", "mx.array"), 0)
+    assert made <= 1 + mixers, per_token
     assert per_token.get(("metal_kernels.py", "mx.array"), 0) == 0, per_token
     # (experts.py copies slabs into MLX on expert-cache misses only: host data that must come in)
 

@@ -14,7 +14,8 @@ import pytest
 from ds4_mlx.errors import LayoutError
 from ds4_mlx.frontends.cli import main
 from ds4_mlx.model import experts as experts_mod
-from ds4_mlx.model.device_experts import DeviceExpertWeights
+from ds4_mlx.model.device_experts import DEVICE_ROUTING, DeviceExpertWeights
+from ds4_mlx.model.host_step import HOST_ROUTING
 from ds4_mlx.model.expert_budget import Budget, parse_experts_cache, plan_cache
 from ds4_mlx.model.expert_cache import CachedDeviceExpertWeights
 from ds4_mlx.model.expert_cache_policy import LFUPolicy, LRUPolicy, make_policy
@@ -189,7 +190,7 @@ def test_option_checks(routed_model):
     # all the experts or more: the unbounded strategy, as it is
     eng = load(routed_model, experts="device", experts_cache="100000")
     assert eng.expert_cache is None
-    assert all(b.ffn.routes_on_device and type(b.ffn.gate_exps) is DeviceExpertWeights for b in eng.blocks)
+    assert all(b.ffn.routing is DEVICE_ROUTING and type(b.ffn.gate_exps) is DeviceExpertWeights for b in eng.blocks)
 
 
 @pytest.mark.parametrize("command", ["generate", "bench"])
@@ -211,7 +212,7 @@ def test_bounded_outputs_equal_the_unbounded(routed_model, numerics):
     cache = eng.expert_cache
     assert cache.n_slots == SLOTS and eng.expert_strategy == "device"
     for b in eng.blocks:
-        assert not b.ffn.routes_on_device and isinstance(b.ffn.gate_exps, CachedDeviceExpertWeights)
+        assert b.ffn.routing is HOST_ROUTING and isinstance(b.ffn.gate_exps, CachedDeviceExpertWeights)
     got, toks, _ = _run(eng)
     assert toks == ref_toks
     if numerics == "ds4-cpu":

@@ -18,7 +18,8 @@ import ds4_mlx
 from ds4_mlx.errors import LayoutError
 from ds4_mlx.frontends.cli import main
 from ds4_mlx.model import device_experts
-from ds4_mlx.model.device_experts import DeviceExpertWeights, resolve_strategy, topk_lowest_id
+from ds4_mlx.model.device_experts import DEVICE_ROUTING, DeviceExpertWeights, resolve_strategy, topk_lowest_id
+from ds4_mlx.model.host_step import HOST_ROUTING
 from host_traffic import HostTraffic  # benchmarks/, on the path by conftest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -93,9 +94,9 @@ def test_strategies_build_what_they_say(engines):
     host, dev = engines["host"], engines["device"]
     assert host.experts == "host" and dev.experts == "device"
     for b in dev.network.blocks:
-        assert b.ffn.routes_on_device and isinstance(b.ffn.gate_exps, DeviceExpertWeights)
+        assert b.ffn.routing is DEVICE_ROUTING and isinstance(b.ffn.gate_exps, DeviceExpertWeights)
     for b in host.network.blocks:
-        assert not b.ffn.routes_on_device and not isinstance(b.ffn.gate_exps, DeviceExpertWeights)
+        assert b.ffn.routing is HOST_ROUTING and not isinstance(b.ffn.gate_exps, DeviceExpertWeights)
     e = dev.network.blocks[0].ffn.down_exps
     assert e.resident_nbytes == e.raw.nbytes
 
@@ -205,7 +206,7 @@ def test_host_decode_step_syncs_per_routed_layer(engines):
     # and each layer queues what its router did not need (``mx.async_eval``: counted, though the host
     # does not wait there) before the host multiplies the routed experts
     queued = len(model.blocks)
-    # and the two mixers' logits are read for their Sinkhorn on the host (``comb_on_host``)
+    # and the two mixers' logits are read for their Sinkhorn on the host (``host_step.HostMixer``)
     mixers = 2 * len(model.blocks)
     assert per_token == 1 + routed + native_reads + head_read + queued + mixers > 1
 

@@ -1,7 +1,7 @@
-"""The hyper-connection mixers' Sinkhorn balancing on the host (``HyperConnection.comb_on_host``,
-``ds4_mlx/native/hc.c``), which the compiled decode step runs instead of ~100 tiny graph nodes per mixer.
+"""The hyper-connection mixers' Sinkhorn balancing on the host (``host_step.HostMixer``,
+``ds4_mlx/native/hc.c``), which the host-routed decode step runs instead of ~100 tiny graph nodes per mixer.
 
-Against MLX's ops (``HyperConnection.split``, what the chunk path computes) and the numpy twin (the
+Against MLX's ops (``HyperConnection.comb``, what the chunk path computes) and the numpy twin (the
 fallback without the native library): the same matrix up to expf's and a 4-term sum's last bits, on
 typical, extreme and non-finite logits; the decoder calls it for both mixers of every host-routed
 layer; and what it does to decoded logits: within float noise of the MLX-balanced step (ds4's oracle
@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from ds4_mlx import native
-from ds4_mlx.model.hyper_connection import HyperConnection, sinkhorn_numpy
+from ds4_mlx.model.host_step import HostMixer, sinkhorn_numpy
+from ds4_mlx.model.hyper_connection import HyperConnection
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def _mixes(rng, hc: HyperConnection, T: int, spread: float) -> np.ndarray:
 
 
 def _mlx(hc: HyperConnection, mix: np.ndarray) -> np.ndarray:
-    return np.array(hc.split(mx.array(mix))[2])
+    return np.array(hc.comb(mx.array(mix)))
 
 
 @pytest.mark.parametrize("spread", [0.1, 1.0, 30.0, 3000.0])
@@ -37,11 +38,11 @@ def test_native_numpy_and_mlx_agree(net, spread):
     for block in net.blocks[:3]:
         for hc in (block.hc_attn, block.hc_ffn):
             mix = _mixes(rng, hc, 64, spread)
-            got = hc.comb_on_host(mix)
+            host = HostMixer(hc)
+            got = host.comb(mix)
             assert got.shape == (64, hc.n_hc, hc.n_hc) and got.dtype == np.float32
             ref = _mlx(hc, mix)
-            scale, base = hc._host_params
-            twin = sinkhorn_numpy(mix, hc.n_hc, scale, base, hc.iters, hc.hc_eps)
+            twin = sinkhorn_numpy(mix, hc.n_hc, host.scale, host.base, hc.iters, hc.hc_eps)
             assert np.allclose(got, ref, rtol=2e-5, atol=1e-7), np.abs(got - ref).max()
             assert np.allclose(twin, ref, rtol=2e-5, atol=1e-7), np.abs(twin - ref).max()
             # balanced: columns sum to ~1 after the last (column) pass
@@ -56,7 +57,7 @@ def test_non_finite_logits_give_non_finite_rows_where_mlx_does(net):
     mix[2, 2 * hc.n_hc:] = np.inf
     mix[3, 2 * hc.n_hc + 1] = -np.inf
     with np.errstate(all="ignore"):
-        got, ref = hc.comb_on_host(mix), _mlx(hc, mix)
+        got, ref = HostMixer(hc).comb(mix), _mlx(hc, mix)
     assert np.array_equal(np.isnan(got), np.isnan(ref))
     assert np.isfinite(got[0]).all() and np.isnan(got[1]).all()
     ok = np.isfinite(ref)
@@ -66,9 +67,9 @@ def test_non_finite_logits_give_non_finite_rows_where_mlx_does(net):
 def test_without_the_native_library_numpy_computes_it(net, monkeypatch):
     hc = net.blocks[1].hc_ffn
     mix = _mixes(np.random.default_rng(5), hc, 8, 2.0)
-    with_native = hc.comb_on_host(mix)
+    with_native = HostMixer(hc).comb(mix)
     monkeypatch.setattr(native, "library", lambda: None)
-    without = hc.comb_on_host(mix)
+    without = HostMixer(hc).comb(mix)
     assert np.allclose(without, with_native, rtol=2e-5, atol=1e-7)
 
 
@@ -87,13 +88,13 @@ def test_native_arguments_are_checked():
 
 def test_the_decode_step_balances_both_mixers_of_every_layer_on_the_host(net, monkeypatch):
     calls = []
-    orig = HyperConnection.comb_on_host
+    orig = HostMixer.comb
 
     def spy(self, mix):
-        calls.append(self)
+        calls.append(self.hc)
         return orig(self, mix)
 
-    monkeypatch.setattr(HyperConnection, "comb_on_host", spy)
+    monkeypatch.setattr(HostMixer, "comb", spy)
     s = net.new_session(ctx=256)
     s.prefill(list(range(300, 340)))
     assert not calls  # a prefill chunk balances with MLX's ops
@@ -118,7 +119,7 @@ def test_decoded_logits_stay_within_float_noise_of_mlx_balancing(net, monkeypatc
         return out
 
     host = run()
-    monkeypatch.setattr(HyperConnection, "comb_on_host", lambda self, mix: _mlx(self, mix))
+    monkeypatch.setattr(HostMixer, "comb", lambda self, mix: _mlx(self.hc, mix))
     ref = run()
     rms = np.array([np.sqrt(np.mean(np.square(a - b, dtype=np.float64))) for a, b in zip(host, ref)])
     assert np.median(rms) <= 5e-3 and rms.max() <= 0.1, rms

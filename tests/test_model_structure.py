@@ -2,7 +2,8 @@
 architecture code never branches on it nor takes it as a parameter; no import cycle hides behind a
 function-level import; ``ModelConfig.coff`` is the only place that derives the compressor width; one
 forward path: every module has one ``__call__`` over per-layer cache objects for chunks and decode
-steps, and the compiled decode step compiles ``Block``'s own methods instead of re-assembling one."""
+steps, ``Block.__call__`` is the only way through a layer and only host_step.py takes a block apart
+(issue 23)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1] / "ds4_mlx"
 # The architecture: written once against an ``Ops`` object. The weights offer both arithmetics as
 # methods (``w(x)`` / ``w.ds4_cpu(x)``) and the ``Ops`` object picks one, so they take no mode either.
 ARCHITECTURE = ["attention.py", "compressor.py", "indexer.py", "hyper_connection.py", "moe.py", "transformer.py",
-                "compiled_decode.py", "runner.py", "cache.py", "rope.py", "numerics.py",
+                "compiled_decode.py", "host_step.py", "runner.py", "cache.py", "rope.py", "numerics.py",
                 "linear.py", "experts.py"]
 
 
@@ -116,28 +117,77 @@ def test_one_call_per_module_no_decode_step():
                     f"model/{p.name}:{node.lineno}: class {node.name} (the state lives in cache.py)"
 
 
-# What only a layer's own code touches: reaching any of it from compiled_decode.py means a block is
-# being assembled there by hand again.
-BLOCK_INTERNALS = {"hc_attn", "hc_ffn", "pre", "post", "attn_norm", "ffn_norm", "rms_norm", "router_scores",
-                   "shared_expert", "combine", "compressor", "index_compressor", "indexer", "sink_softmax",
-                   "_project", "_output", "_attend", "_attend_step", "update_raw", "windows", "commit"}
+# -- Block.__call__ is the only forward through a layer ---------------------------------------------
 
 
-def test_compiled_decode_compiles_block_methods_not_a_copy():
+def _block_class() -> ast.ClassDef:
+    return next(n for n in ast.walk(_tree("model/transformer.py")) if isinstance(n, ast.ClassDef) and n.name == "Block")
+
+
+def test_block_has_one_forward():
+    """A layer has one way through it: ``Block.__call__`` (prefill chunks, decode steps, every
+    distributed mode). Before issue 23 it also had attention_part / ffn_part / attention_mix /
+    attention_comb / ffn_comb / ffn_pre / ffn_post, fragments a decode step re-assembled."""
+    methods = {n.name for n in _block_class().body if isinstance(n, ast.FunctionDef)}
+    assert methods == {"__init__", "__call__"}, sorted(methods)
+
+
+# The pieces of a layer's forward: calling one of them on a block's sub-module (``x.hc_attn.pre(…)``,
+# ``x.ffn.router_scores(…)``, ``x.attn(…)``…) is taking a block apart. Only the block itself and
+# host_step.py (the host breaks of a host-routed decode step, deletable as a whole) may.
+LAYER_PARTS = {"hc_attn", "hc_ffn", "attn", "ffn"}
+PART_STEPS = {"pre", "post", "mix", "reduce", "comb", "gains", "router_scores", "shared_expert", "combine",
+              "routed_experts", "route", "route_weights", "select"}
+TAKES_BLOCKS_APART = {"model/transformer.py", "model/host_step.py"}
+# dspark.py computes each stage's context KV rows from the stage's attention mixer and kv projection
+# (``DSparkHead.context_kv``: the drafter's own kv path, not a pass through a layer); its stages run
+# as ``Block``s.
+ALLOWED = {("model/dspark.py", "hc_attn.mix"), ("model/dspark.py", "hc_attn.reduce")}
+
+
+def _part_calls(rel: str) -> list[str]:
+    out = []
+    for node in ast.walk(_tree(rel)):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        # x.attn(...) / x.ffn(...): a sub-module's forward
+        if isinstance(f, ast.Attribute) and f.attr in LAYER_PARTS:
+            out.append((node.lineno, f.attr))
+        # x.hc_attn.pre(...) etc.
+        if isinstance(f, ast.Attribute) and f.attr in PART_STEPS and isinstance(f.value, ast.Attribute) \
+                and f.value.attr in LAYER_PARTS:
+            out.append((node.lineno, f"{f.value.attr}.{f.attr}"))
+    return [f"{rel}:{line}: {what}(…)" for line, what in out if (rel, what) not in ALLOWED]
+
+
+def test_only_the_block_and_host_step_take_a_block_apart():
+    files = [f"{p.parent.name}/{p.name}" for d in ("model", "engine") for p in sorted((ROOT / d).glob("*.py"))]
+    found = [hit for rel in files if rel not in TAKES_BLOCKS_APART for hit in _part_calls(rel)]
+    assert not found, "a layer taken apart outside Block.__call__ / host_step.py:\n" + "\n".join(found)
+    # and the rule sees what it looks for: host_step.py does take blocks apart
+    assert _part_calls("model/host_step.py")
+
+
+def test_compiled_decode_compiles_the_block_itself():
+    """Each compiled layer function of ``CompiledDecoder`` is the block's ``__call__``; nothing of the
+    host breaks (host reads, the host Sinkhorn, the native library) is in compiled_decode.py."""
     tree = _tree("model/compiled_decode.py")
-    used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
-    assert not used & BLOCK_INTERNALS, f"compiled_decode.py reaches into a layer: {sorted(used & BLOCK_INTERNALS)}"
-    assert {"attention_part", "ffn_pre", "ffn_post"} <= used
-    # a MoE routing on the device compiles the whole layer: Block.__call__ itself
     calls = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
     assert "block" in calls
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | \
+        {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    assert not names & {"to_host", "native", "async_eval", "HostMixer", "sinkhorn_numpy"}, names & {"to_host", "native"}
 
 
-def test_block_call_is_its_parts():
-    """``Block.__call__`` is ``attention_part`` then ``ffn_part`` (what the compiled step wraps)."""
-    block = next(n for n in ast.walk(_tree("model/transformer.py"))
-                 if isinstance(n, ast.ClassDef) and n.name == "Block")
-    call = next(n for n in block.body if isinstance(n, ast.FunctionDef) and n.name == "__call__")
-    used = {n.attr for n in ast.walk(call) if isinstance(n, ast.Attribute)
-            and isinstance(n.value, ast.Name) and n.value.id == "self"}
-    assert used == {"attention_part", "ffn_part"}, used
+def test_the_host_machinery_is_one_file():
+    """The host Sinkhorn, the host routing and the cut decode step live in host_step.py alone."""
+    for p in sorted((ROOT / "model").glob("*.py")):
+        if p.name == "host_step.py":
+            continue
+        tree = _tree(f"model/{p.name}")
+        defs = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        assert not defs & {"sinkhorn_numpy", "comb_on_host", "HostMixer", "HostRouting", "HostStepDecoder"}, \
+            f"model/{p.name} defines host-step machinery: {defs}"
+        calls = {n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
+        assert "hc_sinkhorn" not in calls, f"model/{p.name} balances a mixer on the host"

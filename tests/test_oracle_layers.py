@@ -52,12 +52,21 @@ def models(tiny_model_path):
 
 
 def _run_layer(model, tokens: np.ndarray, H: np.ndarray, il: int) -> tuple[np.ndarray, np.ndarray]:
+    """(H after the layer's HC-wrapped attention, H after the layer): the second is the layer's one
+    forward, ``Block.__call__``; the first, ds4's mid-layer dump point, is its first half spelled out
+    here from the block's own modules on a second fresh cache (the same arithmetic, so both are
+    checked against ds4's dumps)."""
     block = model.blocks[il]
-    cache = ModelCache.empty(model.config).layers[il]
-    cache.bind(ChunkAt(0, H.shape[0], model.ops))
+
+    def fresh():
+        cache = ModelCache.empty(model.config).layers[il]
+        cache.bind(ChunkAt(0, H.shape[0], model.ops))
+        return cache
+
     with model.ops.stream():
-        after = block.attention_part(mx.array(H), cache)
-        out = block.ffn_part(after, tokens)
+        x, post, comb = block.hc_attn.pre(mx.array(H))
+        after = block.hc_attn.post(block.attn(x, fresh()), mx.array(H), post, comb)
+        out = block(mx.array(H), tokens, fresh())
     return np.array(after), np.array(out)
 
 

@@ -67,6 +67,7 @@ class HostMixer:
     """``HyperConnection.comb`` of one mixer computed on the host from its logits."""
 
     def __init__(self, hc):
+        self.hc = hc
         self.n, self.iters, self.eps = hc.n_hc, hc.iters, hc.hc_eps
         self.scale = to_host(hc.scale, np.float32).reshape(-1)
         self.base = to_host(hc.base, np.float32).reshape(-1)
