@@ -191,3 +191,28 @@ def test_the_host_machinery_is_one_file():
             f"model/{p.name} defines host-step machinery: {defs}"
         calls = {n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
         assert "hc_sinkhorn" not in calls, f"model/{p.name} balances a mixer on the host"
+
+
+def test_distributed_modes_wrap_the_model():
+    """A distributed mode is a wrapper around the rank's ``Model`` (composition: a stage runs the same
+    blocks through the model's own forward), not a subclass overriding its forward through hooks
+    (before issue 23: ``DistributedModel(Model)`` overriding ``forward_chunk``/``_chunk_logits``/``step``)."""
+    subclasses = []
+    for p in sorted((ROOT / "model").glob("*.py")):
+        for node in ast.walk(_tree(f"model/{p.name}")):
+            if isinstance(node, ast.ClassDef):
+                bases = {b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases}
+                if "Model" in bases:
+                    subclasses.append(f"model/{p.name}: class {node.name}(Model)")
+    assert not subclasses, subclasses
+    from ds4_mlx.model.distributed import DistributedModel
+    from ds4_mlx.model.expert_parallel import ExpertParallelModel
+    from ds4_mlx.model.pipeline import PipelineModel
+    from ds4_mlx.model.transformer import Model
+
+    for cls in (DistributedModel, PipelineModel, ExpertParallelModel):
+        assert not issubclass(cls, Model), cls
+        # and the stage's forward is the wrapped model's: it never runs blocks of its own
+        src = ast.unparse(next(n for n in ast.walk(_tree(f"model/{cls.__module__.rsplit('.', 1)[1]}.py"))
+                               if isinstance(n, ast.ClassDef) and n.name == cls.__name__))
+        assert "for block in" not in src and "block(" not in src, cls

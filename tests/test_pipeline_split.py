@@ -372,10 +372,10 @@ def test_load_builds_the_resident_split(skewed_model, monkeypatch):
 
     built = []
 
-    def fake_model(cfg, ops, *, group, layers, head_rows, **parts):
-        out = parts["output"]
-        built.append((group.rank(), layers, [b.il for b in parts["blocks"]], head_rows,
-                      None if out is None else out.shape, parts["output_hc"] is not None))
+    def fake_model(model, *, group, layers, head_rows):
+        out = model.output
+        built.append((group.rank(), layers, [b.il for b in model.blocks], head_rows,
+                      None if out is None else out.shape, model.output_hc is not None))
         return type("M", (), {})()
 
     monkeypatch.setattr(loader.pipeline, "PipelineModel", fake_model)

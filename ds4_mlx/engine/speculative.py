@@ -106,7 +106,7 @@ def resolve_drafter(draft, model) -> Drafter | None:
 
 def check_speculation(network) -> None:
     """A model that can verify drafts: one process (a distributed model's ranks hold no rollback)."""
-    if hasattr(network, "transport"):
+    if not network.can_verify:
         raise DraftError("speculative decoding runs in one process only, not with distributed=...")
 
 

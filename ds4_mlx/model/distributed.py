@@ -2,7 +2,9 @@
 ``mlx.launch`` started, the transport, and the rank-0 / follower command protocol.
 
 Rank 0 drives: it owns the tokenizer, the sessions, sampling and output, and calls
-``forward_chunk`` / ``step`` like any ``Model``. Each call first sends a *command* down the chain
+``forward_chunk`` / ``step`` like any ``Model``. A mode *wraps* the rank's ``Model`` (composition:
+``DistributedModel.model`` holds this rank's blocks and runs them with its own ``run_blocks`` /
+``forward_chunk`` / decoder, the very code one process runs) and adds the messages around them. Each call first sends a *command* down the chain
 of ranks (0 -> 1 -> ... -> last; every rank relays it to the next one before acting on it, so a
 command needs links between neighbours only, which is all the ring backend offers):
 
@@ -14,7 +16,7 @@ expert-parallel layer's ``all_sum``, ``model.expert_parallel``). The other ranks
 receive a command, relay it, dispatch it to the handler the mode registered for its op
 (``DistributedModel.handlers``), until STOP (sent by rank 0's ``close()``, also at its exit).
 
-A mode subclasses ``DistributedModel`` and supplies only what differs: what rank 0 does around the
+A mode is a ``DistributedModel`` and supplies only what differs: what rank 0 does around the
 command for a chunk and a step, and the follower's ``follow_chunk`` / ``follow_step``. A new
 command (say, keep the live cache under an id) is one op number next to STOP/CHUNK/STEP, what rank 0
 sends (``command(Command(op, ..., arg=...))``) and one entry in ``handlers()``; its integer argument
@@ -58,7 +60,7 @@ from ds4_mlx.errors import DistributedError, InferenceError
 from ds4_mlx.model import join_watchdog
 from ds4_mlx.model.cache import LayerCache, ModelCache, capacity_for
 from ds4_mlx.model.host import to_host
-from ds4_mlx.model.transformer import Model
+from ds4_mlx.model.transformer import Model  # noqa: F401  (the wrapped type, for the docs)
 
 MODES = ("pipeline", "experts")
 # The command protocol's version, compared when the ranks join (``join``): ranks running different
@@ -274,14 +276,19 @@ class StateTag:
         return f"StateTag({self.id})"
 
 
-class DistributedModel(Model):
-    """One rank's model in a multi-rank run: rank 0 uses it as a ``Model`` (its ``forward_chunk`` /
-    ``step`` also drive the other ranks), the others call ``follow()``. Subclasses are the modes."""
+class DistributedModel:
+    """One rank's model in a multi-rank run, wrapping the rank's ``Model`` (``model``: its blocks, and
+    whatever of the embedding and head it holds): rank 0 uses it as a ``Model`` (its ``forward_chunk``
+    / ``step`` also drive the other ranks), the others call ``follow()``. Subclasses are the modes.
+    Every other attribute (config, ops, the head, the plans, ...) is the wrapped model's."""
 
     mode = "?"
+    # a speculative verify needs a rollback of every rank's state, which the protocol does not carry
+    can_verify = False
 
-    def __init__(self, *args, group, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, model: Model, *, group):
+        self.model = model
+        self.config, self.ops, self.source = model.config, model.ops, model.source
         self.group = group
         self.transport = Transport(group)
         self.rank, self.size = group.rank(), group.size()
@@ -296,6 +303,38 @@ class DistributedModel(Model):
         self.kept: dict[int, ModelCache] = {}  # a follower's kept states, by rank 0's id
         if self.rank == 0:
             atexit.register(self.close)
+
+    def __getattr__(self, name: str):
+        # only reached for names this wrapper does not define: the wrapped model's
+        model = self.__dict__.get("model")
+        if model is None:
+            raise AttributeError(name)
+        return getattr(model, name)
+
+    # What the loader records after building (``load_plan``, ``memory_plan``, the bounded expert
+    # cache) belongs to the wrapped model, which reads it (``Model.expert_strategy``).
+
+    @property
+    def load_plan(self):
+        return self.model.load_plan
+
+    @load_plan.setter
+    def load_plan(self, value) -> None:
+        self.model.load_plan = value
+
+    @property
+    def memory_plan(self):
+        return self.model.memory_plan
+
+    @memory_plan.setter
+    def memory_plan(self, value) -> None:
+        self.model.memory_plan = value
+
+    def empty_cache(self) -> ModelCache:
+        return self.model.empty_cache()
+
+    def forward_verify(self, tokens, cache, taps=None):
+        raise InferenceError(f"a speculative verify runs in one process only, not with distributed={self.mode!r}")
 
     @property
     def is_first(self) -> bool:

@@ -49,7 +49,6 @@ from ds4_mlx.model.cache import ModelCache
 from ds4_mlx.model.device_experts import DEVICE_MAX_PAIRS
 from ds4_mlx.model.distributed import CHUNK, STEP, Command, DistributedModel
 from ds4_mlx.model.experts import ExpertWeights, check_expert_call
-from ds4_mlx.model.transformer import Model
 
 
 def owners(n_expert: int, n_ranks: int) -> list[range]:
@@ -167,14 +166,14 @@ class RankGather:
 
 
 class ExpertParallelModel(DistributedModel):
-    """One rank of an expert-parallel group: the whole dense model, its MoEs built over
+    """One rank of an expert-parallel group, wrapping the whole dense model whose MoEs are built over
     ``OwnedExperts`` and joined by ``RankGather``. Rank 0 uses it as a ``Model``; the others call
-    ``follow()``, running the same forward on their own cache without the head."""
+    ``follow()``, running the same forward (the wrapped model's) on their own cache without the head."""
 
     mode = "experts"
 
-    def __init__(self, *args, group, experts: range, **kwargs):
-        super().__init__(*args, group=group, **kwargs)
+    def __init__(self, model, *, group, experts: range):
+        super().__init__(model, group=group)
         self.owned_experts = experts  # the routed expert ids this rank owns, in every layer
 
     # -- rank 0: the command first, then the same forward as every rank --------------------------
@@ -191,8 +190,7 @@ class ExpertParallelModel(DistributedModel):
         self.feeding(work, origin=cache)
         self.command(Command(CHUNK, cache.n_tokens, np.asarray(tokens, dtype=np.int64).reshape(-1), want_logits))
         with self.transport.collective():
-            logits, new = super().forward_chunk(tokens, work, want_logits)
-        return logits, new
+            return self.model.forward_chunk(tokens, work, want_logits)
 
     def step(self, token: int, cache: ModelCache, *, evaluate: bool = True) -> mx.array:
         # ``evaluate`` is accepted for the Model interface; every layer is evaluated here anyway
@@ -204,7 +202,7 @@ class ExpertParallelModel(DistributedModel):
         # Lazy, as ``Model.step``'s: a caller that never reads them skips the head. (The compiled
         # decode's head function is the finish function plus this head; eager and compiled give
         # the same bits, ``compiled_decode``.)
-        return self.head(H)[0]
+        return self.model.head(H)[0]
 
     def _decode(self, token: int, cache: ModelCache) -> mx.array:
         """The compiled decode step without the head, evaluated: every layer's all_sum runs now, on
@@ -213,8 +211,9 @@ class ExpertParallelModel(DistributedModel):
         if self.source is not None:
             self.source.check_intact()
         with self.transport.collective():
-            H = self.decoder().run(self.embed(np.array([token], dtype=np.int64)), token, cache,
-                                   until="H", evaluate=False)
+            model = self.model
+            H = model.decoder().run(model.embed(np.array([token], dtype=np.int64)), token, cache,
+                                    until="H", evaluate=False)
             mx.eval(H, *cache.arrays())
         return H
 
@@ -236,7 +235,7 @@ class ExpertParallelModel(DistributedModel):
         cache = self.live_cache(cmd)
         try:
             with self.transport.collective():
-                _, self.cache = Model.forward_chunk(self, cmd.tokens, cache, want_logits=False)
+                _, self.cache = self.model.forward_chunk(cmd.tokens, cache, want_logits=False)
         except NonFiniteError:
             pass  # rank 0 computed the same values, raised the same error and keeps its cache too
 

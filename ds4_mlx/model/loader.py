@@ -512,10 +512,11 @@ def _build(f: GGUFFile, cfg: ModelConfig, mode: Numerics, backend: str | None, s
     parts = dict(embedding=embedding, blocks=blocks, output_hc=output_hc, output_norm=output_norm,
                  output=output, source=f, decoder=w.decoder,
                  host_head=output is not None and host_head(mode, strategy, backend, output.qtype))
+    model = Model(cfg, ops, **parts)
+    model.expert_cache = caches
+    # A distributed mode wraps this rank's model (composition: its stage runs these same blocks).
     if group is None:
-        model = Model(cfg, ops, **parts)
-        model.expert_cache = caches
         return model
     if experts is not None:
-        return expert_parallel.ExpertParallelModel(cfg, ops, group=group, experts=experts, **parts)
-    return pipeline.PipelineModel(cfg, ops, group=group, layers=own, head_rows=rows, **parts)
+        return expert_parallel.ExpertParallelModel(model, group=group, experts=experts)
+    return pipeline.PipelineModel(model, group=group, layers=own, head_rows=rows)

@@ -203,20 +203,20 @@ def gguf_split(f, n_layer: int, n_ranks: int) -> list[range]:
 
 
 class PipelineModel(DistributedModel):
-    """One rank's share of the model: ``blocks`` are its layers (``layers``, a range); the output
-    mix and norm exist on the last rank, the output matrix's rows ``head_rows`` on rank 0 and the
-    last rank (``PipelineSplit.head_rows``; ``output`` is None on a rank that holds none). Rank 0
-    uses it as a ``Model``; the others call ``follow()``."""
+    """One rank's stage: the wrapped ``model``'s blocks are its layers (``layers``, a range); the
+    output mix and norm exist on the last rank, the output matrix's rows ``head_rows`` on rank 0 and
+    the last rank (``PipelineSplit.head_rows``; ``output`` is None on a rank that holds none). Rank 0
+    uses it as a ``Model``; the others call ``follow()``. Each rank runs its blocks with the model's
+    own ``run_blocks`` / ``forward_chunk`` / decoder: the stage adds only the messages."""
 
     mode = "pipeline"
 
-    def __init__(self, *args, group, layers: range, head_rows: range, **kwargs):
-        super().__init__(*args, group=group, **kwargs)
+    def __init__(self, model, *, group, layers: range, head_rows: range):
+        super().__init__(model, group=group)
         self.layers = layers
         self.head_rows = head_rows
         # rank 0 holds the head's rows [0, cut), the last rank [cut, n_vocab): both sides know the cut
         self.head_cut = head_rows.stop if self.rank == 0 else head_rows.start
-        self._origin: ModelCache | None = None  # rank 0: the caller's cache of the chunk in flight
         if self.source is not None:  # the default expert-LRU budget: this rank's share (its docstring)
             EXPERT_CACHE.scale_default(routed_share(self.source, layers))
 
@@ -241,7 +241,7 @@ class PipelineModel(DistributedModel):
         if self.head_cut:
             x = self.transport.recv_array((1, cfg.n_embd), last)
             with self.ops.stream():
-                parts.append(self.head_logits(x)[0])
+                parts.append(self.model.head_logits(x)[0])
             mx.eval(parts[0])  # now, before waiting for the last rank's rows: the two run side by side
         if self.head_cut < cfg.n_vocab:
             parts.append(self.transport.recv_array((cfg.n_vocab - self.head_cut,), last))
@@ -251,20 +251,16 @@ class PipelineModel(DistributedModel):
                       want_logits: bool = True) -> tuple[mx.array | None, ModelCache]:
         self._driver_only()
         self._claim(cache)
-        self._origin = cache
-        try:
-            return super().forward_chunk(tokens, cache, want_logits)
-        finally:
-            self._origin = None
 
-    def _chunk_logits(self, H: mx.array, tokens: np.ndarray, p0: int, cache: ModelCache,
-                      want_logits: bool) -> mx.array | None:
-        # ``Model.forward_chunk`` ran rank 0's blocks on a copy of the caller's cache (on an error
-        # before this point the caller keeps its cache, the other ranks theirs); the rest runs there.
-        self.feeding(cache, self._origin)
-        self.command(Command(CHUNK, p0, np.asarray(tokens, dtype=np.int64), want_logits))
-        self.transport.send_array(H, 1)
-        return self._recv_logits() if want_logits else None
+        def later_ranks(H: mx.array, tokens: np.ndarray, p0: int, work: ModelCache, want: bool) -> mx.array | None:
+            # The model ran rank 0's blocks on a copy of the caller's ``cache`` (on an error before
+            # this point the caller keeps its cache, the other ranks theirs); the rest runs there.
+            self.feeding(work, cache)
+            self.command(Command(CHUNK, p0, np.asarray(tokens, dtype=np.int64), want))
+            self.transport.send_array(H, 1)
+            return self._recv_logits() if want else None
+
+        return self.model.forward_chunk(tokens, cache, want_logits, logits_from=later_ranks)
 
     def step(self, token: int, cache: ModelCache, *, evaluate: bool = True) -> mx.array:
         # ``evaluate`` is accepted for the Model interface; H is evaluated here anyway, to be sent
@@ -273,8 +269,9 @@ class PipelineModel(DistributedModel):
         if self.source is not None:
             self.source.check_intact()
         p = cache.n_tokens
-        H = self.decoder().run(self.embed(np.array([token], dtype=np.int64)), int(token), cache,
-                               until="H", evaluate=False)
+        model = self.model
+        H = model.decoder().run(model.embed(np.array([token], dtype=np.int64)), int(token), cache,
+                                until="H", evaluate=False)
         mx.eval(H, *cache.arrays())
         self.feeding(cache)
         self.command(Command(STEP, p, np.array([token], dtype=np.int64), True))
@@ -323,9 +320,9 @@ class PipelineModel(DistributedModel):
         its rows of the head while this rank multiplies its own; then those logits."""
         if self.head_cut:
             self.transport.send_array(x, 0)
-        if self.output is not None:
+        if self.model.output is not None:
             with self.ops.stream():  # the numerics' stream, as rank 0's rows (a step arrives outside it)
-                logits = self.head_logits(x)[0]
+                logits = self.model.head_logits(x)[0]
             self.transport.send_array(logits, 0)
 
     def handlers(self):
@@ -344,17 +341,17 @@ class PipelineModel(DistributedModel):
         H = self._recv_h(len(cmd.tokens))
         cache = self.live_cache(cmd)
         with self.ops.stream():
-            H = self.run_blocks(H, cmd.tokens, cache)
+            H = self.model.run_blocks(H, cmd.tokens, cache)
             if not self.is_last:
                 self.transport.send_array(H, self.rank + 1)
             elif cmd.want:
-                self._send_head(self.head_hidden(H[-1:]))
+                self._send_head(self.model.head_hidden(H[-1:]))
 
     def follow_step(self, cmd: Command) -> None:
         H = self._recv_h(1)
         cache = self.live_cache(cmd)
-        y = self.decoder().run(H, int(cmd.tokens[0]), cache, until="hidden" if self.is_last else "H",
-                               evaluate=False)
+        y = self.model.decoder().run(H, int(cmd.tokens[0]), cache, until="hidden" if self.is_last else "H",
+                                     evaluate=False)
         mx.eval(y, *cache.arrays())
         if not self.is_last:
             self.transport.send_array(y, self.rank + 1)

@@ -54,6 +54,12 @@ class Block:
 
 
 class Model:
+    """The network of one process (or the blocks of one pipeline stage, wrapped by
+    ``pipeline.PipelineModel``): embed, ``Block.__call__`` over its blocks, the head."""
+
+    # a speculative verify can roll this model's cache back (``ModelCache.rollback``)
+    can_verify = True
+
     def __init__(self, cfg: ModelConfig, ops: DefaultOps, *, embedding: np.ndarray, blocks: list[Block],
                  output_hc: OutputHC, output_norm: mx.array, output: DenseWeight, source=None,
                  host_head: bool = False, decoder=CompiledDecoder):
@@ -131,16 +137,19 @@ class Model:
         too, see ``CompiledDecoder.step``)."""
         return self.decoder().step(int(token), cache, evaluate=evaluate)
 
-    def forward_chunk(self, tokens: np.ndarray, cache: ModelCache,
-                      want_logits: bool | str = True) -> tuple[mx.array | None, ModelCache]:
+    def forward_chunk(self, tokens: np.ndarray, cache: ModelCache, want_logits: bool | str = True, *,
+                      logits_from=None) -> tuple[mx.array | None, ModelCache]:
         """Run tokens (positions cache.n_tokens..) layer-major; logits of the last token if asked
         ([n_vocab]), or with ``want_logits="all"`` of every position ([T, n_vocab]: teacher-forced
         scoring, ``engine.perplexity``; a single-process model only, pipeline ranks send the last
-        row). Returns the cache after them; ``cache`` itself is left as it was."""
+        row). Returns the cache after them; ``cache`` itself is left as it was. ``logits_from``:
+        ``(H, tokens, p0, cache, want_logits) -> logits`` after this model's blocks, when they come
+        from elsewhere (a pipeline's rank 0: the later ranks, ``PipelineModel``); default this
+        model's own head (``chunk_logits``)."""
         if self.source is not None:
             self.source.check_intact()  # weights are about to be read: a truncated file is an error, not SIGBUS
         with self.ops.stream():
-            return self._forward_chunk(tokens, cache, want_logits)[:2]
+            return self._forward_chunk(tokens, cache, want_logits, logits_from=logits_from)[:2]
 
     def forward_verify(self, tokens: np.ndarray, cache: ModelCache,
                        taps: Sequence[int] | None = None) -> tuple[mx.array, mx.array, ModelCache]:
@@ -178,7 +187,7 @@ class Model:
         return self.ops.weighted_streams(H, mx.full((T, n_hc), 1.0 / n_hc, dtype=mx.float32))
 
     def _forward_chunk(self, tokens: np.ndarray, cache: ModelCache, want_logits: bool | str,
-                       record: bool = False, tapped: dict | None = None
+                       record: bool = False, tapped: dict | None = None, logits_from=None
                        ) -> tuple[mx.array | None, ModelCache, mx.array]:
         tokens = np.asarray(tokens, dtype=np.int64)
         p0 = cache.n_tokens
@@ -187,7 +196,7 @@ class Model:
         # the embedding's finiteness rides with the first layer's evaluation
         H = self.run_blocks(H, tokens, cache, [("the token embedding", all_finite(H))], record=record,
                             tapped=tapped)
-        logits = self._chunk_logits(H, tokens, p0, cache, want_logits)
+        logits = (logits_from or self.chunk_logits)(H, tokens, p0, cache, want_logits)
         if logits is not None:
             ok = all_finite(logits)
             mx.eval(logits, ok)
@@ -196,11 +205,10 @@ class Model:
             allocator.release_file_pages(self.embedding)  # the output matrix, on its first use
         return logits, cache, H
 
-    def _chunk_logits(self, H: mx.array, tokens: np.ndarray, p0: int, cache: ModelCache,
-                      want_logits: bool) -> mx.array | None:
+    def chunk_logits(self, H: mx.array, tokens: np.ndarray, p0: int, cache: ModelCache,
+                     want_logits: bool | str) -> mx.array | None:
         """The last token's logits (lazy) from H after the blocks of a chunk at p0.. (``cache``:
-        the cache after it), every token's for "all", or None when not wanted; a pipeline's rank 0
-        gets them from the last rank."""
+        the cache after it), every token's for "all", or None when not wanted, from this model's head."""
         if want_logits == "all":
             return self.head(H)
         return self.head(H[-1:])[0] if want_logits else None
