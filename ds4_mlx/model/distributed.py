@@ -304,11 +304,19 @@ class DistributedModel:
         if self.rank == 0:
             atexit.register(self.close)
 
+    # What the wrapper reads through from the rank's model: its weights, its parts of the forward, what
+    # the loader recorded. Nothing that runs the model's whole forward on its own (``forward_chunk``,
+    # ``step``, ``forward_verify``: the wrapper's own, which add the messages), so no caller can run
+    # rank 0's blocks alone by mistake.
+    DELEGATED = frozenset({"embedding", "embed", "blocks", "head", "head_hidden", "head_logits", "output",
+                           "output_hc", "output_norm", "host_head", "numerics", "expert_strategy",
+                           "expert_cache", "decoder", "run_blocks", "check_taps", "tap_rows"})
+
     def __getattr__(self, name: str):
-        # only reached for names this wrapper does not define: the wrapped model's
+        # only reached for names this wrapper does not define
         model = self.__dict__.get("model")
-        if model is None:
-            raise AttributeError(name)
+        if model is None or name not in self.DELEGATED:
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
         return getattr(model, name)
 
     # What the loader records after building (``load_plan``, ``memory_plan``, the bounded expert
