@@ -19,6 +19,7 @@ from ds4_mlx.model.expert_budget import Budget, parse_experts_cache, plan_cache
 from ds4_mlx.model.expert_cache import CachedDeviceExpertWeights
 from ds4_mlx.model.expert_cache_policy import LFUPolicy, LRUPolicy, make_policy
 from ds4_mlx.model.loader import load
+from ds4_mlx.engine.session import Session
 from small_model import build_small_model
 
 # -- policies -----------------------------------------------------------------------------------------
@@ -166,9 +167,9 @@ PROMPT = [int(t) for t in np.random.default_rng(3).integers(3, 500, size=70)]
 
 def _run(model, n_decode: int = 6, chunk: int = 32):
     """Prefill PROMPT in chunks, then greedy (compiled, in default numerics) decode steps: (logits
-    per step, tokens, the runner)."""
-    s = model.new_session(ctx=128, chunk=chunk)
-    s.prefill(PROMPT)
+    per step, tokens, the session)."""
+    s = Session(model, 128, chunk=chunk)
+    s.append(PROMPT)
     out, toks = [s.logits()], []
     for _ in range(n_decode):
         toks.append(int(np.argmax(out[-1])))
