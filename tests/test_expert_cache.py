@@ -310,3 +310,21 @@ def test_generate_reports_the_cache(tiny_model_path):
     assert st.expert_hits + st.expert_misses == 3 * 4 * eng.config.n_layer
     assert st.expert_prefill_bytes_read > 0 and st.expert_bytes_read == st.expert_bytes_per_token * 4
     assert "experts cache: decode" in st.summary()
+
+
+def test_server_reports_the_prefill_reads_of_its_one_sync(tiny_model_path):
+    """The server's session pool runs a request's prefill and generation continues from there: the
+    expert-cache bytes read by that prefill are the request's prefill reads (not a no-op sync's 0)."""
+    import threading
+
+    from ds4_mlx.frontends.server import EngineBackend
+    from ds4_mlx.frontends.server.events import ChatRequest, Done
+
+    b = EngineBackend(str(tiny_model_path), ctx=256, experts="device", experts_cache="30")
+    b._load()
+    try:
+        req = ChatRequest([{"role": "user", "content": "Tell me about caches"}], max_tokens=2, temperature=0)
+        done = [e for e in b._generate(req, threading.Event()) if isinstance(e, Done)][-1]
+        assert done.finish in ("length", "stop") and done.expert_prefill_bytes_read > 0
+    finally:
+        b._release_mlx()
