@@ -181,6 +181,7 @@ def worker(args) -> int:
     import ds4_mlx  # noqa: F401  (first: binds MLX to a fast BLAS)
     import numpy as np
 
+    from ds4_mlx.engine.session import Session
     from ds4_mlx.model.loader import load
 
     mode = None if args.mode == "none" else args.mode
@@ -199,9 +200,9 @@ def worker(args) -> int:
         rng = np.random.default_rng(args.seed)
         tokens = rng.integers(0, cfg.n_vocab, size=args.prompt_tokens).astype(np.int64)
         tokens[0] = 0
-        run = model.new_session(ctx=args.prompt_tokens + args.decode + 8)
+        run = Session(model, args.prompt_tokens + args.decode + 8)
         t0 = time.perf_counter()
-        run.prefill(tokens)
+        run.append(tokens)
         nxt = int(np.argmax(run.logits()))
         t_prefill = time.perf_counter() - t0
         chosen = [nxt]

@@ -56,6 +56,7 @@ def child(args) -> dict:
     from ds4_mlx.model.expert_cache_policy import SlotPolicy
 
     import ds4_mlx.model.loader  # noqa: F401  (the libraries' own RSS, before any weight)
+    from ds4_mlx.engine.session import Session
 
     mx.eval(mx.zeros((1,)) + 1)
     rss0 = vm("VmRSS")
@@ -84,11 +85,11 @@ def child(args) -> dict:
     if len(ids) < args.prefill:
         raise SystemExit(f"{args.prompt_file} has only {len(ids)} tokens, --prefill {args.prefill}")
     # ds4-cpu runs its reference arithmetic uncompiled
-    runner = model.new_session(ctx=args.prefill + args.decode + 8, chunk=args.chunk,
-                               compile=args.numerics == "default")
+    session = Session(model, args.prefill + args.decode + 8, chunk=args.chunk,
+                      compile=args.numerics == "default")
     t0 = time.perf_counter()
-    runner.prefill(ids)
-    logits = runner.logits()
+    session.append(ids)
+    logits = session.logits()
     prefill_s = time.perf_counter() - t0
     # every logits row read, as the sha256 of its float32 bytes: equal bits or not, bounded vs unbounded
     digests = [hashlib.sha256(np.asarray(logits, dtype=np.float32).tobytes()).hexdigest()]
@@ -99,12 +100,12 @@ def child(args) -> dict:
     for _ in range(args.decode):
         toks.append(int(np.argmax(logits)))
         t0 = time.perf_counter()
-        runner.eval(toks[-1])
-        logits = runner.logits()
+        session.eval(toks[-1])
+        logits = session.logits()
         times.append(time.perf_counter() - t0)
         digests.append(hashlib.sha256(np.asarray(logits, dtype=np.float32).tobytes()).hexdigest())
-    mx.eval(*runner.state.arrays())
-    kv = sum(a.nbytes for a in runner.state.arrays())
+    mx.eval(*session.state.arrays())
+    kv = sum(a.nbytes for a in session.state.arrays())
     experts = [e for b in model.blocks for e in (b.ffn.gate_exps, b.ffn.up_exps, b.ffn.down_exps)]
     routed_file = sum(int(e.raw.nbytes) for e in experts)
     dense_mlx = sum(w.resident_nbytes() for w in _dense_weights(model))

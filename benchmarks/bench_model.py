@@ -64,6 +64,7 @@ import mlx.core as mx
 import numpy as np
 
 from ds4_mlx.formats.ggml_types import GGMLType
+from ds4_mlx.engine.session import Session, Snapshot
 from ds4_mlx.model.cache import ModelCache
 from ds4_mlx.model.device_experts import gpu_backend
 from ds4_mlx.model.experts import ExpertWeights
@@ -106,9 +107,9 @@ def dense_params(model) -> tuple[int, int]:
 
 
 def timed_prefill(model, tokens: np.ndarray, compile: bool) -> tuple[float, object]:
-    s = model.new_session(ctx=len(tokens) + 64, compile=compile)
+    s = Session(model, len(tokens) + 64, compile=compile)
     t0 = time.perf_counter()
-    s.prefill(tokens)
+    s.append(tokens)
     s.logits()
     return time.perf_counter() - t0, s
 
@@ -116,9 +117,9 @@ def timed_prefill(model, tokens: np.ndarray, compile: bool) -> tuple[float, obje
 def decode_run(model, snap, feed: list[int] | None, n: int, compile: bool, ctx: int):
     """n decode steps from ``snap``: greedy when ``feed`` is None, else teacher-forced. Returns
     (seconds per step, the fed tokens, logits per step)."""
-    s = model.new_session(ctx=ctx, compile=compile)
+    s = Session(model, ctx, compile=compile)
     s.restore(snap)
-    nxt = int(np.argmax(np.array(snap[2])))
+    nxt = int(np.argmax(np.array(snap.logits)))
     fed, logits, times = [], [], []
     for i in range(n):
         tok = nxt if feed is None else feed[i]
@@ -197,7 +198,7 @@ def run(path: Path, args) -> int:
     mem["prefill"] = mem_line("after prefill")
 
     snap = snap_session.snapshot()
-    p0 = snap[0].n_tokens
+    p0 = snap.pos
     ctx = p0 + n_dec + 8
     print(f"decode from position {p0}: {n_dec} timed steps per mode, {args.rounds} interleaved rounds")
     # warm-up: the first compiled steps trace every layer function (and the expert cache fills)
@@ -287,11 +288,11 @@ def greedy_decode(model, cache: ModelCache, token: int, n: int) -> tuple[list[in
 
 
 def engine_loop_syncs(model, cache: ModelCache, token: int, n: int) -> float:
-    """Host syncs per token of the engine's own loop (``Runner.eval`` then ``logits()`` to numpy and
+    """Host syncs per token of the engine's own loop (``Session.eval`` then ``logits()`` to numpy and
     a host argmax, as ``Session`` decodes) from the state in ``cache``, for comparison with the
     device-greedy loop: the logits' copy to numpy is its one sync (it evaluates the step with them)."""
-    r = model.new_session(ctx=cache.n_tokens + n + 8, compile=True)
-    r.restore((cache, [0] * cache.n_tokens, None))  # restore copies the cache
+    r = Session(model, cache.n_tokens + n + 8, compile=True)
+    r.restore(Snapshot((0,) * cache.n_tokens, cache, None))  # restore copies the cache
     r.eval(token)  # the first step's traces
     token = int(np.argmax(r.logits()))
     with HostTraffic() as t:
@@ -317,13 +318,13 @@ def measure(path, experts: str = "auto", n_prefill: int = 512, n_decode: int = 1
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, cfg.n_vocab, size=n_prefill).astype(np.int64)
     timed_prefill(model, tokens[:16], compile=False)  # first-use dequantization of the dense weights
-    runner = model.new_session(ctx=n_prefill + warmup + n_decode + 8, compile=True)
+    session = Session(model, n_prefill + warmup + n_decode + 8, compile=True)
     t0 = time.perf_counter()
-    runner.prefill(tokens)
-    first = int(np.argmax(runner.logits()))
+    session.append(tokens)
+    first = int(np.argmax(session.logits()))
     t_prefill = time.perf_counter() - t0
-    cache = runner.state  # the live cache: the runner is dropped next
-    del runner
+    cache = session.state  # the live cache: the session is dropped next
+    del session
     chosen, _ = greedy_decode(model, cache, first, warmup)
     dec = model.decoder()
     traces0 = dec.traces

@@ -133,6 +133,22 @@ def test_session_continuation_in_default_numerics_keeps_stable_greedy_tokens(mod
     assert compared >= 1
 
 
+def test_a_session_already_at_the_prompt_is_not_synced_again(model, monkeypatch):
+    """What a server's session pool hands over: generation continues from the session as it is."""
+    from ds4_mlx.engine.session import Session
+
+    ids = model.encode_prompt("Hello")
+    cold = ds4_mlx.generate(model, ids, max_tokens=6, temperature=0)
+    s = model.new_session(ctx=CTX)
+    s.sync(ids)
+    calls = []
+    orig = Session.sync
+    monkeypatch.setattr(Session, "sync", lambda self, *a, **kw: calls.append(a) or orig(self, *a, **kw))
+    res = ds4_mlx.generate(model, ids, max_tokens=6, temperature=0, session=s)
+    assert calls == [] and res.text == cold.text
+    assert (res.stats.cached_tokens, res.stats.cache_source) == (len(ids), "live")
+
+
 def test_stop_strings(model, greedy8):
     t = greedy8.text
     stop = t[3:5]

@@ -36,6 +36,7 @@ from ds4_mlx.model.compiled_decode import CompiledDecoder
 from ds4_mlx.model.device_experts import DEVICE_ROUTING
 from ds4_mlx.model.host_step import HOST_ROUTING, HostMixer, HostStepDecoder
 from ds4_mlx.model.numerics import EMPTY_SCORE
+from ds4_mlx.engine.session import Session
 
 N_LONG = 300  # decode steps of the teacher-forced comparison (positions 1..300)
 
@@ -63,10 +64,10 @@ def long_run(model, tokens):
     """BOS prefilled, then N_LONG teacher-forced decode steps with and without compilation; the
     trace count after every step of the compiled session. The mixers balanced with MLX's ops."""
     dec = model.decoder()
-    a = model.new_session(ctx=4096, compile=False)
-    b = model.new_session(ctx=4096, compile=True)
-    a.prefill(tokens[:1])
-    b.prefill(tokens[:1])
+    a = Session(model, 4096, compile=False)
+    b = Session(model, 4096, compile=True)
+    a.append(tokens[:1])
+    b.append(tokens[:1])
     ref, got, traces = [], [], []
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(HostMixer, "comb", mlx_sinkhorn)
@@ -174,8 +175,8 @@ def test_buffer_growth_retraces_once_per_capacity(model, tokens, monkeypatch):
     """Row buffers grow by doubling; each growth is one new shape for the functions of layers
     with compressed rows (one more trace each); dense layers and the head keep theirs."""
     monkeypatch.setattr(model_cache, "MIN_CAPACITY", 128)
-    s = model.new_session(ctx=4096, compile=False)
-    s.prefill(tokens[:120])
+    s = Session(model, 4096, compile=False)
+    s.append(tokens[:120])
     cache = s.state.copy()
     assert cache.capacity == 128
     dec = type(model.decoder())(model)
@@ -200,8 +201,8 @@ def test_buffer_growth_retraces_once_per_capacity(model, tokens, monkeypatch):
 
 
 def test_compiled_bit_identical_to_eager_fixed_shape_step(model, tokens):
-    s = model.new_session(ctx=4096, compile=False)
-    s.prefill(tokens[:110])
+    s = Session(model, 4096, compile=False)
+    s.append(tokens[:110])
     ca, cb = s.state.copy(), s.state.copy()
     eager, compiled = model.decoder(compile=False), model.decoder(compile=True)
     for t in tokens[110:130]:  # ratio-4 emissions at 111, 115, …; ratio 128 at 127; indexer live
@@ -213,10 +214,10 @@ def test_compiled_bit_identical_to_eager_fixed_shape_step(model, tokens):
 
 def test_one_step_matches_chunk_path(model, tokens):
     """From the chunk path's own state at each position, one compiled step vs one chunk-path step."""
-    s = model.new_session(ctx=4096, compile=False)
+    s = Session(model, 4096, compile=False)
     done = 0
     for p in (0, 1, 30, 31, 66, 67, 126, 127, 128, 131, 255, 300):
-        s.prefill(tokens[done:p])
+        s.append(tokens[done:p])
         cache = s.state.copy()
         got = np.array(model.decoder().step(tokens[p], cache))
         s.eval(tokens[p])
@@ -240,9 +241,9 @@ def test_one_step_matches_chunk_path(model, tokens):
 
 @pytest.mark.parametrize("n", [0, 1, 20, 31, 32, 150, 257])
 def test_state_cache_round_trip_exact(model, tokens, n):
-    s = model.new_session(ctx=4096, compile=False)
+    s = Session(model, 4096, compile=False)
     if n:
-        s.prefill(tokens[:n])
+        s.append(tokens[:n])
     st = s.state
     assert st.capacity == capacity_for(max(n - 1, 0))  # a function of the position only
     cache = ModelCache.from_state(model.config, n, st.state)
@@ -258,8 +259,8 @@ def test_state_cache_round_trip_exact(model, tokens, n):
 def test_cache_state_cache_continues_bit_identically(model, tokens):
     """Decode, rebuild the cache from its canonical state, keep decoding: the same bits as the cache
     that was never rebuilt (the provisional row slot and stale ring slots are never read)."""
-    s = model.new_session(ctx=4096, compile=False)
-    s.prefill(tokens[:60])
+    s = Session(model, 4096, compile=False)
+    s.append(tokens[:60])
     c1 = s.state.copy()
     dec = model.decoder()
     for t in tokens[60:70]:
@@ -274,30 +275,30 @@ def test_cache_state_cache_continues_bit_identically(model, tokens):
 
 
 def test_snapshot_restore_mid_decode(model, tokens):
-    s = model.new_session(ctx=4096)
+    s = Session(model, 4096)
     assert s.compiled
-    s.prefill(tokens[:50])
+    s.append(tokens[:50])
     for t in tokens[50:60]:
         s.eval(t)
     snap = s.snapshot()
-    saved = snap[0].to_numpy()
-    assert snap[0].n_tokens == 60 == s.n_tokens and snap[1] == tokens[:60]
+    saved = snap.state.to_numpy()
+    assert snap.state.n_tokens == 60 == s.n_tokens and list(snap.tokens) == tokens[:60]
     want = []
     for t in tokens[60:75]:
         s.eval(t)
         want.append(s.logits())
     # the snapshot was not touched by the steps after it (the cache is updated in place)
-    assert_states_bit_equal(snap[0], ModelCache.from_numpy(model.config, saved))
-    other = model.new_session(ctx=2048)  # another context size: the same shapes, the same bits
-    other.prefill(tokens[300:310])
+    assert_states_bit_equal(snap.state, ModelCache.from_numpy(model.config, saved))
+    other = Session(model, 2048)  # another context size: the same shapes, the same bits
+    other.append(tokens[300:310])
     other.restore(snap)
     for t, w in zip(tokens[60:75], want):
         other.eval(t)
         assert np.array_equal(bits(other.logits()), bits(w))
     assert_states_bit_equal(other.state, s.state)
     # a multi-token prefill after decoding continues from the decoded cache: as from its snapshot
-    s.prefill(tokens[75:90])
-    other.prefill(tokens[75:90])
+    s.append(tokens[75:90])
+    other.append(tokens[75:90])
     assert s.n_tokens == 90 and np.array_equal(bits(s.logits()), bits(other.logits()))
 
 
@@ -305,13 +306,13 @@ def test_unread_steps_settle_like_read_ones(model, tokens, monkeypatch):
     """A compiled step leaves the cache lazy until its logits are read (one sync per decoded token);
     feeds whose logits nobody reads are evaluated before the next feed, a snapshot or a chunk, so
     they give the same bits as steps read one by one, and the graph never spans more than one step."""
-    read = model.new_session(ctx=4096)
-    unread = model.new_session(ctx=4096)
+    read = Session(model, 4096)
+    unread = Session(model, 4096)
     for r in (read, unread):
-        r.prefill(tokens[:40])
-    # The runner's own evaluations (settling a step), apart from host reads (``model.host.to_host``)
-    # and the expert path's: the runner module's ``mx`` counts its ``eval`` calls.
-    from ds4_mlx.model import runner as runner_module
+        r.append(tokens[:40])
+    # The session's own evaluations (settling a step), apart from host reads (``model.host.to_host``)
+    # and the expert path's: the session module's ``mx`` counts its ``eval`` calls.
+    from ds4_mlx.engine import session as session_module
 
     evals = []
 
@@ -324,7 +325,7 @@ def test_unread_steps_settle_like_read_ones(model, tokens, monkeypatch):
             evals.append(len(a))
             return mx.eval(*a)
 
-    monkeypatch.setattr(runner_module, "mx", CountingMx())
+    monkeypatch.setattr(session_module, "mx", CountingMx())
     for t in tokens[40:50]:
         read.eval(t)
         read.logits()
@@ -335,45 +336,54 @@ def test_unread_steps_settle_like_read_ones(model, tokens, monkeypatch):
     snap = unread.snapshot()  # settles the last one
     assert len(evals) == 10 and not unread._lazy
     assert np.array_equal(bits(unread.logits()), bits(read.logits()))
-    assert_states_bit_equal(snap[0], read.state)
+    assert_states_bit_equal(snap.state, read.state)
     unread.eval(tokens[50])
-    unread.prefill(tokens[51:60])  # a chunk after an unread step
+    unread.append(tokens[51:60])  # a chunk after an unread step
     read.eval(tokens[50])
     read.logits()
-    read.prefill(tokens[51:60])
+    read.append(tokens[51:60])
     assert np.array_equal(bits(unread.logits()), bits(read.logits()))
     assert_states_bit_equal(unread.state, read.state)
 
 
 def test_opt_out_and_ds4_cpu_stay_on_the_chunk_path(model, tiny_model_path, tokens, monkeypatch):
     seen = []
-    orig_chunk, orig_step = model.forward_chunk, model.step
 
-    def spy_chunk(toks, state, want_logits=True):
-        seen.append("chunk")
-        return orig_chunk(toks, state, want_logits)
+    def spy(net):
+        orig_chunk, orig_step = net.forward_chunk, net.step
 
-    def spy_step(token, cache, **kw):
-        seen.append("step")
-        return orig_step(token, cache, **kw)
+        def spy_chunk(toks, state, want_logits=True):
+            seen.append("chunk")
+            return orig_chunk(toks, state, want_logits)
 
-    monkeypatch.setattr(model, "forward_chunk", spy_chunk)
-    monkeypatch.setattr(model, "step", spy_step)
-    a = model.new_session(ctx=64, compile=False)
-    a.prefill(tokens[:3])
+        def spy_step(token, cache, **kw):
+            seen.append("step")
+            return orig_step(token, cache, **kw)
+
+        monkeypatch.setattr(net, "forward_chunk", spy_chunk)
+        monkeypatch.setattr(net, "step", spy_step)
+
+    spy(model)
+    a = Session(model, 64, compile=False)
+    a.append(tokens[:3])
     a.eval(tokens[3])
-    b = model.new_session(ctx=64)
-    b.prefill(tokens[:3])
+    b = Session(model, 64)
+    b.append(tokens[:3])
     b.eval(tokens[3])
+    # DS4_MLX_COMPILE is read once, at load (``LoadPlan.compile``): a session follows its load
     monkeypatch.setenv("DS4_MLX_COMPILE", "0")
-    c = model.new_session(ctx=64)
-    c.prefill(tokens[:3])
+    assert Session(model, 64).compiled
+    off = ds4_mlx.load(tiny_model_path).network
+    assert off.load_plan.compile is False and Session(off, 64, compile=True).compiled
+    c = Session(off, 64)
+    spy(off)
+    c.append(tokens[:3])
     c.eval(tokens[3])
     assert not a.compiled and b.compiled and not c.compiled
     assert seen == ["chunk", "chunk", "chunk", "step", "chunk", "chunk"]
     assert np.array_equal(bits(a.logits()), bits(c.logits()))
     m4 = ds4_mlx.load(tiny_model_path, numerics="ds4-cpu").network
-    assert not m4.new_session(ctx=64, compile=True).compiled
+    assert not Session(m4, 64, compile=True).compiled
     with pytest.raises(InferenceError, match="DEFAULT"):
         m4.decoder()
 
@@ -386,8 +396,8 @@ def test_device_routed_moe_compiles_whole_layers(tiny_model_path, tokens, monkey
     monkeypatch.setattr(HostMixer, "comb", mlx_sinkhorn)
 
     model = ds4_mlx.load(tiny_model_path, experts="device").network
-    s = model.new_session(ctx=4096, compile=False)
-    s.prefill(tokens[:70])
+    s = Session(model, 4096, compile=False)
+    s.append(tokens[:70])
     assert type(model.decoder()) is CompiledDecoder
     whole = CompiledDecoder(model, compile=False)
     host = HostStepDecoder(model, compile=False)

@@ -12,6 +12,7 @@ from ds4_mlx.model import experts as ex
 from ds4_mlx.model import metal_kernels
 from ds4_mlx.model.host_step import HostStepDecoder
 from ds4_mlx.synth import q2_k_random_blocks
+from ds4_mlx.engine.session import Session
 
 from host_traffic import HostTraffic  # benchmarks/, on the path by conftest
 
@@ -25,8 +26,8 @@ def test_steady_decode_step_builds_no_rope_or_expert_index_arrays(model):
     """RoPE rows are slices of per-block tables (not two host arrays per layer and step), and the
     host expert path multiplies a decode step's pairs in pair order (no gather index from the host).
     Before: 20 RoPE arrays and ~17 gather indices per token on the tiny model."""
-    s = model.new_session(ctx=600, compile=True)
-    s.prefill(list(range(1, 40)))
+    s = Session(model, 600, compile=True)
+    s.append(list(range(1, 40)))
     for t in (5, 6, 7):  # enter decode; traces; the RoPE block of these positions
         s.eval(t)
     steps = 6

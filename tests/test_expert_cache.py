@@ -20,6 +20,7 @@ from ds4_mlx.model.expert_budget import Budget, parse_experts_cache, plan_cache
 from ds4_mlx.model.expert_cache import CachedDeviceExpertWeights
 from ds4_mlx.model.expert_cache_policy import LFUPolicy, LRUPolicy, make_policy
 from ds4_mlx.model.loader import load
+from ds4_mlx.engine.session import Session
 from small_model import build_small_model
 
 # -- policies -----------------------------------------------------------------------------------------
@@ -167,9 +168,9 @@ PROMPT = [int(t) for t in np.random.default_rng(3).integers(3, 500, size=70)]
 
 def _run(model, n_decode: int = 6, chunk: int = 32):
     """Prefill PROMPT in chunks, then greedy (compiled, in default numerics) decode steps: (logits
-    per step, tokens, the runner)."""
-    s = model.new_session(ctx=128, chunk=chunk)
-    s.prefill(PROMPT)
+    per step, tokens, the session)."""
+    s = Session(model, 128, chunk=chunk)
+    s.append(PROMPT)
     out, toks = [s.logits()], []
     for _ in range(n_decode):
         toks.append(int(np.argmax(out[-1])))
@@ -310,3 +311,21 @@ def test_generate_reports_the_cache(tiny_model_path):
     assert st.expert_hits + st.expert_misses == 3 * 4 * eng.config.n_layer
     assert st.expert_prefill_bytes_read > 0 and st.expert_bytes_read == st.expert_bytes_per_token * 4
     assert "experts cache: decode" in st.summary()
+
+
+def test_server_reports_the_prefill_reads_of_its_one_sync(tiny_model_path):
+    """The server's session pool runs a request's prefill and generation continues from there: the
+    expert-cache bytes read by that prefill are the request's prefill reads (not a no-op sync's 0)."""
+    import threading
+
+    from ds4_mlx.frontends.server import EngineBackend
+    from ds4_mlx.frontends.server.events import ChatRequest, Done
+
+    b = EngineBackend(str(tiny_model_path), ctx=256, experts="device", experts_cache="30")
+    b._load()
+    try:
+        req = ChatRequest([{"role": "user", "content": "Tell me about caches"}], max_tokens=2, temperature=0)
+        done = [e for e in b._generate(req, threading.Event()) if isinstance(e, Done)][-1]
+        assert done.finish in ("length", "stop") and done.expert_prefill_bytes_read > 0
+    finally:
+        b._release_mlx()

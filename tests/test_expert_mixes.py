@@ -24,6 +24,7 @@ from ds4_mlx.frontends import cli
 from ds4_mlx.model import loader
 from ds4_mlx.synth import DS4_REQUIRED_TOKENS
 from ds4_mlx.tokenizer.byte_map import BYTE_TO_UNICODE
+from ds4_mlx.engine.session import Session
 from test_distributed import CLI, LAUNCH, PROMPT, _generate_args, _run
 
 MIXES = ["q2-q4", "mxfp4", "q4"]
@@ -76,13 +77,13 @@ def models(tmp_path_factory):
 
 
 def _logits_and_state(engine, how: str):
-    s = engine.network.new_session(ctx=256, **({"chunk": 7} if how == "chunk7" else {}))
+    s = Session(engine.network, 256, **({"chunk": 7} if how == "chunk7" else {}))
     if how == "decode":
-        s.prefill(TOKENS[:30])
+        s.append(TOKENS[:30])
         for t in TOKENS[30:]:
             s.eval(t)
     else:
-        s.prefill(TOKENS)
+        s.append(TOKENS)
     return s.logits(), s.state.to_numpy()
 
 

@@ -20,6 +20,7 @@ from ds4_mlx.frontends.cli import main
 from ds4_mlx.model import device_experts
 from ds4_mlx.model.device_experts import DEVICE_ROUTING, DeviceExpertWeights, resolve_strategy, topk_lowest_id
 from ds4_mlx.model.host_step import HOST_ROUTING
+from ds4_mlx.engine.session import Session
 from host_traffic import HostTraffic  # benchmarks/, on the path by conftest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -180,8 +181,8 @@ def _one_step_traffic(model, n_steps=3):
     """Host traffic of n compiled greedy steps after a short prefill (the bench's loop)."""
     import bench_model
 
-    r = model.new_session(ctx=64, compile=True)
-    r.prefill(list(range(2000, 2012)))
+    r = Session(model, 64, compile=True)
+    r.append(list(range(2000, 2012)))
     cache = r.state.copy()
     bench_model.greedy_decode(model, cache, 7, 1)  # traces
     with HostTraffic() as t:
@@ -286,7 +287,7 @@ def test_bench_model_json(tiny_model_path, experts):
     assert r["strategy"] == experts and r["backend"] in ("cpu", "metal", "cuda")
     assert r["prefill_tps"] > 0 and r["decode_tps"] > 0 and r["weight_bytes_per_token"] > 0
     assert r["peak_rss_bytes"] > 0 and r["host_bytes_per_token"] > 0
-    # the engine's own loop (Runner.eval, logits to numpy, sample on the host): its one read of the
+    # the engine's own loop (Session.eval, logits to numpy, sample on the host): its one read of the
     # logits evaluates the step too, so it syncs as often as the device-greedy loop
     assert r["engine_host_syncs_per_token"] == r["host_syncs_per_token"]
     if experts == "device":
@@ -307,8 +308,8 @@ def test_compiled_step_traces_the_whole_device_layer(engines, monkeypatch):
     monkeypatch.setattr(MoE, "select", lambda self, *a: (calls.append(1), real(self, *a))[1])
     for name, per_step in (("device", 0), ("host", None)):
         model = engines[name].network
-        r = model.new_session(ctx=64, compile=True)
-        r.prefill(list(range(3000, 3010)))
+        r = Session(model, 64, compile=True)
+        r.append(list(range(3000, 3010)))
         r.eval(11)  # traces (or not) once
         calls.clear()
         r.eval(12)

@@ -15,6 +15,7 @@ import pytest
 
 import ds4_mlx
 from ds4_mlx.model.host import to_host
+from ds4_mlx.engine.session import Session
 
 from host_traffic import HostTraffic  # benchmarks/, on the path by conftest
 
@@ -45,9 +46,9 @@ def test_generation_reads_nothing_from_mlx_without_evaluating_it_first(tiny_mode
     counts a conversion that evaluates by itself as an ``np.*`` sync). A new ``np.array(mlx_array)``
     on these paths fails here."""
     model = ds4_mlx.load(tiny_model_path, numerics=numerics).network
-    s = model.new_session(ctx=256, compile=True)
+    s = Session(model, 256, compile=True)
     with HostTraffic() as traffic:
-        s.prefill(list(range(1, 30)))
+        s.append(list(range(1, 30)))
         for t in range(4):
             s.eval(200 + t)
             s.logits()

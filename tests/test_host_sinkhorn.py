@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from ds4_mlx import native
+from ds4_mlx.engine.session import Session
 from ds4_mlx.model.host_step import HostMixer, sinkhorn_numpy
 from ds4_mlx.model.hyper_connection import HyperConnection
 
@@ -95,8 +96,8 @@ def test_the_decode_step_balances_both_mixers_of_every_layer_on_the_host(net, mo
         return orig(self, mix)
 
     monkeypatch.setattr(HostMixer, "comb", spy)
-    s = net.new_session(ctx=256)
-    s.prefill(list(range(300, 340)))
+    s = Session(net, 256)
+    s.append(list(range(300, 340)))
     assert not calls  # a prefill chunk balances with MLX's ops
     s.eval(7)
     s.logits()
@@ -110,8 +111,8 @@ def test_decoded_logits_stay_within_float_noise_of_mlx_balancing(net, monkeypatc
     tokens = [int(t) for t in np.random.default_rng(9).integers(1000, 60000, 140)]
 
     def run():
-        s = net.new_session(ctx=256)
-        s.prefill(tokens[:100])
+        s = Session(net, 256)
+        s.append(tokens[:100])
         out = []
         for t in tokens[100:]:
             s.eval(t)

@@ -111,11 +111,12 @@ def test_huge_sliding_window_does_not_crash_a_session(tmp_path, data):
     script = textwrap.dedent(f"""
         import sys
         from ds4_mlx.errors import Ds4Error
+        from ds4_mlx.engine.session import Session
         from ds4_mlx.model.loader import load
         try:
             model = load({str(p)!r})
-            s = model.new_session(ctx=64)
-            s.prefill([1, 2, 3])
+            s = Session(model, 64)
+            s.append([1, 2, 3])
             s.eval(4)  # the decode step sizes its window ring from n_swa
         except Ds4Error as exc:
             print(f"error: {{exc}}", file=sys.stderr)

@@ -25,6 +25,7 @@ import pytest
 from ds4_mlx.errors import Ds4Error
 from ds4_mlx.errors import InferenceError
 from ds4_mlx.model.cache import ModelCache
+from ds4_mlx.engine.session import Session, Snapshot
 
 DEFAULT_RMS, DEFAULT_MAX = 0.05, 0.25
 N_DS4 = 200  # ds4-cpu checks: window sliding (32), indexer selection (from p=67), a ratio-128 row (p=127)
@@ -47,15 +48,15 @@ def model_ds4(tiny_model_path):
 
 @pytest.fixture(scope="module")
 def ref_default(model_default, tokens):
-    s = model_default.new_session(ctx=4096)
-    s.prefill(tokens)
+    s = Session(model_default, 4096)
+    s.append(tokens)
     return s.logits()
 
 
 @pytest.fixture(scope="module")
 def ref_ds4(model_ds4, tokens):
-    s = model_ds4.new_session(ctx=4096)
-    s.prefill(tokens[:N_DS4])
+    s = Session(model_ds4, 4096)
+    s.append(tokens[:N_DS4])
     return s.logits(), s.state.to_numpy()
 
 
@@ -74,8 +75,8 @@ def _assert_close_default(got: np.ndarray, ref: np.ndarray, what: str) -> None:
 
 @pytest.mark.parametrize("chunk", [7, 64])
 def test_chunked_prefill_default(model_default, tokens, ref_default, chunk):
-    s = model_default.new_session(ctx=4096, chunk=chunk)
-    s.prefill(tokens)
+    s = Session(model_default, 4096, chunk=chunk)
+    s.append(tokens)
     _assert_close_default(s.logits(), ref_default, f"chunk {chunk}")
 
 
@@ -84,16 +85,16 @@ def test_one_token_chunks_prefill_default(model_default, tokens):
     """Chunks of one token (each a forward pass of its own) over the first N_DS4 tokens, which pass
     every lane's boundaries (window 32, the indexer from 67, a ratio-128 row at 127), against one
     default-chunk prefill of the same tokens. (The whole 733-token prompt took 97 s of suite time.)"""
-    ref = model_default.new_session(ctx=4096)
-    ref.prefill(tokens[:N_DS4])
-    s = model_default.new_session(ctx=4096, chunk=1)
-    s.prefill(tokens[:N_DS4])
+    ref = Session(model_default, 4096)
+    ref.append(tokens[:N_DS4])
+    s = Session(model_default, 4096, chunk=1)
+    s.append(tokens[:N_DS4])
     _assert_close_default(s.logits(), ref.logits(), "chunk 1")
 
 
 def test_prefill_then_decode_default(model_default, tokens, ref_default):
-    s = model_default.new_session(ctx=4096)
-    s.prefill(tokens[:633])
+    s = Session(model_default, 4096)
+    s.append(tokens[:633])
     for t in tokens[633:]:
         s.eval(t)
     _assert_close_default(s.logits(), ref_default, "prefill 633 + 100 decode steps")
@@ -104,13 +105,13 @@ def test_paths_bit_identical_ds4(model_ds4, tokens, ref_ds4, how):
     ref_logits, ref_state = ref_ds4
     toks = tokens[:N_DS4]
     if how == "decode":
-        s = model_ds4.new_session(ctx=4096)
-        s.prefill(toks[:N_DS4 - 12])
+        s = Session(model_ds4, 4096)
+        s.append(toks[:N_DS4 - 12])
         for t in toks[N_DS4 - 12:]:
             s.eval(t)
     else:
-        s = model_ds4.new_session(ctx=4096, chunk=int(how[5:]))
-        s.prefill(toks)
+        s = Session(model_ds4, 4096, chunk=int(how[5:]))
+        s.append(toks)
     np.testing.assert_array_equal(s.logits(), ref_logits)
     # the state is the canonical one whatever the path (spec §6.3)
     got = s.state.to_numpy()
@@ -121,13 +122,13 @@ def test_paths_bit_identical_ds4(model_ds4, tokens, ref_ds4, how):
 
 def test_resume_from_serialized_state(model_default, tokens):
     """A session restored from to_numpy/from_numpy continues exactly like the live one."""
-    a = model_default.new_session(ctx=4096)
-    a.prefill(tokens[:301])
+    a = Session(model_default, 4096)
+    a.append(tokens[:301])
     saved = a.state.to_numpy()
-    a.prefill(tokens[301:420])
-    b = model_default.new_session(ctx=4096)
-    b.state = ModelCache.from_numpy(model_default.config, saved)
-    b.prefill(tokens[301:420])
+    a.append(tokens[301:420])
+    b = Session(model_default, 4096)
+    b.restore(Snapshot(tuple(tokens[:301]), ModelCache.from_numpy(model_default.config, saved), None))
+    b.append(tokens[301:420])
     np.testing.assert_array_equal(a.logits(), b.logits())
     # state sizes follow spec §9.2
     cfg = model_default.config
@@ -157,23 +158,25 @@ def test_chunk_boundaries_are_absolute(model_default, tokens, monkeypatch):
 
     monkeypatch.setattr(model_default, "forward_chunk", spy)
     monkeypatch.setattr(model_default, "step", spy_step)
-    s = model_default.new_session(ctx=4096, chunk=64)
-    s.prefill(tokens[:10])
-    s.prefill(tokens[10:150])
+    s = Session(model_default, 4096, chunk=64)
+    s.append(tokens[:10])
+    s.append(tokens[10:150])
     s.eval(tokens[150])
-    assert calls == [(0, 10, True), (10, 54, False), (64, 64, False), (128, 22, True), (150, 1, True)]
+    # every chunk computes its logits: the state at its end may be kept (an automatic checkpoint, a
+    # sync abandoned there) and must carry its own
+    assert calls == [(0, 10, True), (10, 54, True), (64, 64, True), (128, 22, True), (150, 1, True)]
 
 
 def test_session_api_and_errors(model_default):
     cfg = model_default.config
-    s = model_default.new_session(ctx=8)
+    s = Session(model_default, 8)
     with pytest.raises(InferenceError, match="no logits"):
         s.logits()
     with pytest.raises(InferenceError, match="outside the vocabulary"):
-        s.prefill([1, cfg.n_vocab])
+        s.append([1, cfg.n_vocab])
     with pytest.raises(InferenceError, match="context overflow"):
-        s.prefill(list(range(9)))
-    s.prefill([0, 5, 7])
+        s.append(list(range(9)))
+    s.append([0, 5, 7])
     s.eval(9)
     lg = s.logits()
     assert lg.dtype == np.float32 and lg.shape == (cfg.n_vocab,) and np.isfinite(lg).all()

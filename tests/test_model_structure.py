@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1] / "ds4_mlx"
 # The architecture: written once against an ``Ops`` object. The weights offer both arithmetics as
 # methods (``w(x)`` / ``w.ds4_cpu(x)``) and the ``Ops`` object picks one, so they take no mode either.
 ARCHITECTURE = ["attention.py", "compressor.py", "indexer.py", "hyper_connection.py", "moe.py", "transformer.py",
-                "compiled_decode.py", "host_step.py", "runner.py", "cache.py", "rope.py", "numerics.py",
+                "compiled_decode.py", "host_step.py", "cache.py", "rope.py", "numerics.py",
                 "linear.py", "experts.py"]
 
 
@@ -216,3 +216,30 @@ def test_distributed_modes_wrap_the_model():
         src = ast.unparse(next(n for n in ast.walk(_tree(f"model/{cls.__module__.rsplit('.', 1)[1]}.py"))
                                if isinstance(n, ast.ClassDef) and n.name == cls.__name__))
         assert "for block in" not in src and "block(" not in src, cls
+
+
+# -- one session layer (issue 23) ----------------------------------------------------------------------
+
+# The session and the files split off it: the only engine code that runs the network over a history.
+SESSION_FILES = {"session.py"}
+FORWARD_CALLS = {"forward_chunk", "_forward_chunk", "forward_verify", "step", "decoder"}
+
+
+def test_one_session_layer():
+    """Bringing a state to a token history is one layer: ``engine/session.py``'s ``Session`` (its one
+    chunk loop and prefill-or-decode choice). No model-level runner sits under it (``model/runner.py``,
+    a ``Model.new_session`` factory), and no other engine or frontend module calls the network's
+    forward itself (a second chunk loop)."""
+    assert not (ROOT / "model" / "runner.py").exists()
+    for p in sorted((ROOT / "model").glob("*.py")):
+        for node in ast.walk(_tree(f"model/{p.name}")):
+            if isinstance(node, ast.FunctionDef):
+                assert node.name != "new_session", f"model/{p.name}:{node.lineno}: the network is not a session factory"
+    files = [f"engine/{p.name}" for p in sorted((ROOT / "engine").glob("*.py")) if p.name not in SESSION_FILES]
+    files += [str(p.relative_to(ROOT)) for p in sorted((ROOT / "frontends").rglob("*.py"))]
+    for rel in files:
+        for node in ast.walk(_tree(rel)):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in FORWARD_CALLS):
+                pytest.fail(f"{rel}:{node.lineno}: .{node.func.attr}() runs the network outside the session")
+

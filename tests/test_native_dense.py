@@ -24,6 +24,7 @@ from ds4_mlx.errors import InferenceError, LayoutError
 from ds4_mlx.formats.ggml_types import GGMLType
 from ds4_mlx.formats.quants import dequantize_rows
 from ds4_mlx.model.linear import DenseWeight
+from ds4_mlx.engine.session import Session
 
 
 def _have_compiler() -> bool:
@@ -180,8 +181,8 @@ def test_only_default_host_cpu_multiplies_the_head_on_the_host(engines):
 def test_the_host_head_matches_mlxs_float32_head_and_builds_nothing(engines):
     net = engines["host"].network
     tokens = list(range(200, 260))
-    s = net.new_session(ctx=128)
-    s.prefill(tokens)
+    s = Session(net, 128)
+    s.append(tokens)
     prefill = s.logits()
     decoded = []
     for t in (7, 8, 9):
@@ -197,8 +198,8 @@ def test_the_host_head_matches_mlxs_float32_head_and_builds_nothing(engines):
     # and the session's logits (prefilled and compiled decode) against the same session on MLX's head
     net.host_head = False
     try:
-        s2 = net.new_session(ctx=128)
-        s2.prefill(tokens)
+        s2 = Session(net, 128)
+        s2.append(tokens)
         mlx_prefill = s2.logits()
         for t in (7, 8, 9):
             s2.eval(t)

@@ -29,6 +29,8 @@ import ds4_mlx
 import numpy as np
 import pytest
 
+from ds4_mlx.engine.session import Session
+
 from oracle_golden import Logits, golden_json, rms as _rms
 
 CASES = ("raw_short", "chat_nothink", "dev_long")
@@ -62,8 +64,8 @@ def run(models):
         if key not in _runs:
             g = golden_json(case)
             full = Logits(case)
-            s = models[(mode, experts)].new_session(ctx=4096)
-            s.prefill(g["prompt_tokens"])
+            s = Session(models[(mode, experts)], 4096)
+            s.append(g["prompt_tokens"])
             logits = [s.logits()]
             for tok in g["greedy_generated"]:
                 s.eval(tok)

@@ -9,6 +9,7 @@ import pytest
 
 from ds4_mlx.model.cache import ModelCache, state_layout
 from ds4_mlx.model.experts import ExpertCache, routed_share
+from ds4_mlx.engine.session import Session
 
 
 @pytest.fixture(scope="module")
@@ -55,25 +56,24 @@ def test_a_full_cache_serialises_as_before(tiny_file):
 
 
 def test_a_rank_model_starts_and_resets_with_its_own_caches(tiny_model_path, monkeypatch):
-    """The runner, the session's reset and the compiled decoder's templates ask the model for an
+    """A new session, the session's reset and the compiled decoder's templates ask the model for an
     empty cache (``empty_cache``: a pipeline rank's has its own layers only); a whole model's has
     every layer."""
     import ds4_mlx
-    from ds4_mlx.engine.session import Session
     from ds4_mlx.model.pipeline import PipelineModel
 
     engine = ds4_mlx.load(tiny_model_path)
     net = engine.network
     n = net.config.n_layer
-    assert _present(net.new_session().state) == list(range(n))
+    assert _present(Session(net, 16).state) == list(range(n))
     # what a PipelineModel of layers 1..2 answers (its method, run on this model)
     net.layers = range(1, 3)
     monkeypatch.setattr(net, "empty_cache", PipelineModel.empty_cache.__get__(net))
     try:
-        assert _present(net.new_session().state) == [1, 2]
-        s = Session(net, ctx=16)
+        assert _present(Session(net, 16).state) == [1, 2]
+        s = Session(net, 16)
         s.reset()
-        assert _present(s._rt.state) == [1, 2]
+        assert _present(s.state) == [1, 2]
     finally:
         del net.layers
 

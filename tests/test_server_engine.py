@@ -98,6 +98,28 @@ def test_chat_plain_warm_repeat_same_text(oai):
     assert r2.headers["x-ds4-cache"] == f"source=live; reused={u2.prompt_tokens}"
 
 
+def test_one_sync_per_request(oai, monkeypatch):
+    """The session pool brings the request's session to the prompt and generation continues from
+    there: the whole prompt is synced once per request (the pool may also sync the turn's head
+    first to keep it restorable), whether the KV is cold or reused."""
+    from ds4_mlx.engine.session import Session
+
+    targets = []
+    orig = Session.sync
+
+    def counting(self, tokens, **kw):
+        targets.append(list(tokens))
+        return orig(self, tokens, **kw)
+
+    monkeypatch.setattr(Session, "sync", counting)  # the worker thread calls the class's method
+    body = user("Count the syncs of this request")
+    for _ in range(2):  # cold, then a warm repeat
+        targets.clear()
+        oai.chat.completions.create(model="deepseek-chat", messages=body, max_tokens=2, temperature=0)
+        full = max(targets, key=len)
+        assert targets.count(full) == 1, [len(t) for t in targets]
+
+
 def test_chat_stream_matches_plain(oai):
     body = user("Count to three")
     plain = oai.chat.completions.create(model="deepseek-chat", messages=body, max_tokens=5, temperature=0)

@@ -6,17 +6,18 @@ from __future__ import annotations
 import pytest
 
 from ds4_mlx.engine.session_pool import PoolError, SessionPool
-from ds4_mlx.engine.session import SyncStats
+from ds4_mlx.engine.session import Snapshot, SyncStats, plan_sync
 
 
 class FakeSession:
-    """Tokens only: sync reuses the live prefix or a kept snapshot, else counts a rebuild."""
+    """Tokens only, over the session's own sync decision (``plan_sync``): the live prefix or a kept
+    snapshot is reused, the rest counted as computed."""
 
     ctx = 1000
 
     def __init__(self):
         self._tokens: list[int] = []
-        self._kept: list[tuple[int, ...]] = []
+        self._kept: list[Snapshot] = []
         self.on_prefill = None
         self.computed = 0
 
@@ -28,35 +29,25 @@ class FakeSession:
     def pos(self):
         return len(self._tokens)
 
-    def common_prefix(self, tokens):
-        n = 0
-        for a, b in zip(self._tokens, tokens):
-            if a != b:
-                break
-            n += 1
-        return n
-
     def checkpoints(self):
-        return sorted({len(k) for k in self._kept})
+        return sorted({k.pos for k in self._kept})
+
+    def plan(self, target, snapshots=True):
+        return plan_sync(self._tokens, self._kept if snapshots else (), list(target))
 
     def sync(self, target, allow_rebuild=True):
         target = list(target)
-        common = self.common_prefix(target)
-        if common == self.pos:
-            reused, source = common, "live"
-        else:
-            snaps = [k for k in self._kept if len(k) <= len(target) and list(k) == target[:len(k)]]
-            reused = max((len(k) for k in snaps), default=0)
-            source = "snapshot" if reused else "cold"
-        self.computed += len(target) - reused
+        p = self.plan(target)
+        self.computed += p.computed
         self._tokens = target
-        if self.on_prefill is not None and len(target) > reused:
-            self.on_prefill(len(target) - reused, len(target) - reused)
-        return SyncStats(reused, len(target) - reused, source, "prefill")
+        if self.on_prefill is not None and p.computed:
+            self.on_prefill(p.computed, p.computed)
+        return SyncStats(p.reused, p.computed, p.source, "prefill")
 
     def snapshot(self, keep=False):
         if keep:
-            self._kept = [k for k in self._kept if k != tuple(self._tokens)] + [tuple(self._tokens)]
+            live = tuple(self._tokens)
+            self._kept = [k for k in self._kept if k.tokens != live] + [Snapshot(live, None, None)]
 
     def memory_bytes(self):
         return 100 * len(self._tokens)

@@ -163,6 +163,54 @@ def test_sync_diverging_before_any_checkpoint_rebuilds(model, prompt, cold):
     assert same_bits(s.logits(), cold(target).logits())
 
 
+def test_plan_is_what_sync_does_and_changes_nothing(model, prompt):
+    """``plan`` is the one reuse decision: it touches nothing, and ``sync`` then does exactly it
+    (live extension, a snapshot, a rebuild; without snapshots only the live state or token 0)."""
+    s = Session(model, 1024, chunk=64)
+    s.sync(prompt[:300])
+    s.snapshot(keep=True)
+    s.append(prompt[300:310])
+    # automatic checkpoints at 192 and 256 (the last two chunk ends), kept: 300
+    cases = [(prompt[:200] + prompt[500:520], ("snapshot", 192, 28, 192, False)),
+             (prompt[:330], ("live", 310, 20, None, False)),
+             (prompt[:305] + prompt[600:610], ("snapshot", 300, 15, 300, False)),
+             (prompt[:50] + prompt[600:610], ("cold", 0, 60, None, True))]
+    for target, want in cases:
+        live, logits = s.tokens, s.logits()
+        p = s.plan(target)
+        assert (p.source, p.reused, p.computed, p.snapshot and p.snapshot.pos, p.rebuild) == want
+        assert s.tokens == live and same_bits(s.logits(), logits)
+        if p.source == "snapshot":
+            assert s.plan(target, snapshots=False).source == "cold"
+        st = s.sync(target)
+        assert (st.source, st.reused, st.computed) == (p.source, p.reused, p.computed)
+        assert s.tokens == target
+        s.sync(prompt[:310])
+
+
+def test_defaults_follow_the_load_not_the_environment_later(tiny_model_path, model, monkeypatch):
+    """``DS4_MLX_RESUME_PREFILL_MIN`` and ``DS4_MLX_COMPILE`` are read once, at load (``LoadPlan``):
+    a session takes the load's values (explicit arguments win), not the variables' values now."""
+    from ds4_mlx.errors import LayoutError
+    from ds4_mlx.model import load_plan
+
+    assert model.load_plan.resume_prefill_min == RESUME_PREFILL_MIN == 2
+    monkeypatch.setenv("DS4_MLX_RESUME_PREFILL_MIN", "5")
+    monkeypatch.setenv("DS4_MLX_COMPILE", "0")
+    s = Session(model, 64)
+    assert (s.resume_prefill_min, s.compiled) == (2, True)
+    later = ds4_mlx.load(tiny_model_path).network
+    assert (later.load_plan.resume_prefill_min, later.load_plan.compile) == (5, False)
+    s = Session(later, 64)
+    assert (s.resume_prefill_min, s.compiled) == (5, False)
+    s = Session(later, 64, resume_prefill_min=3, compile=True)
+    assert (s.resume_prefill_min, s.compiled) == (3, True)
+    for bad, why in (("two", "is not an integer"), ("0", "must be >= 1")):
+        monkeypatch.setenv("DS4_MLX_RESUME_PREFILL_MIN", bad)
+        with pytest.raises(LayoutError, match=f"DS4_MLX_RESUME_PREFILL_MIN='{bad}' {why}"):
+            load_plan.resolve(detect=lambda: "cpu")
+
+
 def test_sync_to_shorter_prefix_uses_checkpoint(model, prompt, cold):
     s = Session(model, 1024, chunk=64)
     s.sync(prompt[:300])

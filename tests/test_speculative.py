@@ -18,6 +18,7 @@ from ds4_mlx.engine.drafter import Drafter, ScriptedDrafter
 from ds4_mlx.engine.kvstore_policy import KVStoreOptions
 from ds4_mlx.engine.speculative import DraftLength, check_draft_k, load_drafter
 from ds4_mlx.errors import DraftError, InferenceError
+from ds4_mlx.engine.session import Session
 
 from oracle_golden import Logits, golden_json, row_sha256
 
@@ -73,8 +74,8 @@ def test_rollback_state_is_plain_decodings(cpu, p0, L):
     decoding of the kept tokens has, bit for bit, and the chunk's logits rows equal the decode steps'."""
     net = cpu.network
     toks = np.random.default_rng(p0).integers(0, 5000, p0 + L).tolist()
-    r = net.new_session(ctx=4096)
-    r.prefill(toks[:p0])
+    r = Session(net, 4096)
+    r.append(toks[:p0])
     mark = r.state.mark()
     plain_states, plain_logits = [r.state.state], []
     for t in toks[p0:]:
@@ -103,8 +104,8 @@ def test_default_numerics_chunk_rows_are_the_compiled_steps_up_to_rounding(dflt)
     logits differ by BLAS rounding only (measured ~5e-6 on the tiny model)."""
     net = dflt.network
     toks = np.random.default_rng(9).integers(0, 5000, 45).tolist()
-    r = net.new_session(ctx=4096)
-    r.prefill(toks[:40])
+    r = Session(net, 4096)
+    r.append(toks[:40])
     mark = r.state.mark()
     steps = []
     for t in toks[40:]:

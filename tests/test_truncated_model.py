@@ -78,14 +78,15 @@ def test_prefills_while_the_file_is_truncated_end_in_one_line(tmp_path, small_mo
     shutil.copy(small_model_path, p)
     proc = _child(f"""
         import sys
+        from ds4_mlx.engine.session import Session
         from ds4_mlx.errors import Ds4Error
         from ds4_mlx.model.loader import load
         try:
             model = load({str(p)!r})
             n = 0
             while True:
-                s = model.new_session(ctx=256)
-                s.prefill(list(range(1, 65)))
+                s = Session(model, 256)
+                s.append(list(range(1, 65)))
                 n += 1
                 if n == 1:
                     print("ready", flush=True)

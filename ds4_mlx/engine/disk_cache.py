@@ -7,6 +7,10 @@ call only ``DiskCache``.
 ``sync(session, prompt)`` brings the session to a prompt, in ds4-server's order:
 
 1. *Live*: the live tokens are a prefix of the prompt (and not empty): only the rest is computed.
+   The session decides this (``Session.plan``), as it decides every reuse of its own state;
+   ``snapshots=True`` (the server's session pool) lets it also restore one of its in-memory
+   snapshots here, before the disk is searched (otherwise they serve only after a disk miss, when
+   the session computes the prompt).
 2. Otherwise the previous conversation is saved whole as "evict" (when it holds ``min_tokens``
    or more; loading or rebuilding is about to replace it), and the store is searched two ways:
    for the longest stored token sequence that is a prefix of the prompt (exact; ds4-mlx's own
@@ -124,8 +128,8 @@ class SyncReport:
 
     ``effective_prompt``: the tokens the session now holds (the prompt, or after a text hit the
     checkpoint's tokens plus the prompt's tokens after the matched text). ``cached_tokens``: tokens whose
-    state was taken rather than computed. ``source``: "live", "disk-tokens", "disk-text" or
-    "none". ``hit_path``: the loaded file. ``saved``: the writes made on the way, in order.
+    state was taken rather than computed. ``source``: "live", "snapshot" (``sync(snapshots=True)``),
+    "disk-tokens", "disk-text" or "none". ``hit_path``: the loaded file. ``saved``: the writes made on the way, in order.
     ``refused``: "path: reason" for each checkpoint that was found but could not be used.
     """
 
@@ -182,24 +186,25 @@ class DiskCache:
     # -- prompt sync -------------------------------------------------------------------------------
 
     def sync(self, session: Session, prompt_tokens: Sequence[int], *,
-             rendered_text: bytes | str | None = None) -> SyncReport:
+             rendered_text: bytes | str | None = None, snapshots: bool = False) -> SyncReport:
         """Bring ``session`` to the prompt through the live state, the disk store or a cold prefill.
 
         ``rendered_text``: the prompt's rendered text, ds4's lookup key (default: the tokenizer's
-        bytes of ``prompt_tokens``; a server passes its chat rendering).
+        bytes of ``prompt_tokens``; a server passes its chat rendering). ``snapshots``: the
+        session's own snapshots come before the disk (module docstring).
         """
         self._check_session(session)
         prompt = [int(t) for t in prompt_tokens]
         if not prompt:
             raise KVStoreError("disk cache sync needs at least one prompt token")
         saved: list[SaveResult] = []
-        live = session.pos
-        if live > 0 and len(prompt) >= live and session.common_prefix(prompt) == live:
+        plan = session.plan(prompt, snapshots=snapshots)
+        if plan.source != "cold":  # the session holds a prefix: live (or one of its snapshots)
             saved += self._advance(session, prompt)[0]
-            return SyncReport(prompt, live, "live", saved)
+            return SyncReport(prompt, plan.reused, plan.source, saved)
 
         self._last_saved[session] = 0
-        if live >= self.options.min_tokens:
+        if session.pos >= self.options.min_tokens:
             saved.append(self.save(session, "evict"))
         refused: list[str] = []
         text = rendered_text if rendered_text is not None else self._tokenizer.decode_bytes(prompt)
@@ -357,7 +362,8 @@ class DiskCache:
         saved: list[SaveResult] = []
         reused = None
         if self._step:
-            f = (session.common_prefix(target) // self._step + 1) * self._step
+            # the first frontier past what the sync takes as is: every one it computes through
+            f = (session.plan(target).reused // self._step + 1) * self._step
             while f < len(target):
                 if continued_save_due(f, self.last_saved(session), self.options):
                     st = session.sync(target[:f])

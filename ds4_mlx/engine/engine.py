@@ -238,7 +238,9 @@ class Engine:
 
     def new_session(self, ctx: int | None = None, *, chunk: int | None = None, **options):
         """A ``Session`` of ``ctx`` tokens (default ``default_ctx()``); ``chunk`` is the prefill chunk
-        (ds4's 2048 by default); ``options`` go to ``Session`` (checkpoint pools, ``compile``)."""
+        (ds4's 2048 by default); ``options`` go to ``Session`` (checkpoint pools; ``compile`` and
+        ``resume_prefill_min``, by default this load's, ``load_plan``). The one way to get a session:
+        the network itself is not a session factory."""
         from ds4_mlx.engine.session import DEFAULT_CHUNK, Session
 
         if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):

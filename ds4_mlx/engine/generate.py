@@ -82,7 +82,7 @@ class IndexedToolCall:
 class GenerationStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0          # prompt tokens whose state was reused (session or disk), not computed
-    cache_source: str = "none"      # where they came from: none | session | live | disk-tokens | disk-text
+    cache_source: str = "none"      # where they came from: none | live | snapshot | disk-tokens | disk-text
     generation_tokens: int = 0
     reasoning_tokens: int = 0       # generated while the reasoning section was open (its ``</think>`` included)
     load_time_s: float = 0.0        # the model's open time (``Engine.load_time``)
@@ -377,7 +377,8 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
     tool block then ends the generation with finish "tool_calls", and DSML markup is sampled
     greedily as ds4-server does; ``tool_choice="none"`` drops them (OpenAI's meaning; a request
     renderer may also use it for the prompt). ``session``: continue in this ``Session`` (it syncs to the new
-    prompt, reusing the shared prefix); else a fresh one of ``ctx`` tokens. ``logprobs``: top-k
+    prompt, reusing the shared prefix; one that already holds exactly the prompt is used as it is);
+    else a fresh one of ``ctx`` tokens. ``logprobs``: top-k
     alternatives per token (0 = none). ``progress(done, total, tokens_per_s)``: called after each
     prefill chunk. ``kv_cache``: a ``DiskCache`` to sync through and save into.
     ``cancel``: a callable or ``threading.Event`` checked before every token and prefill chunk;
@@ -465,7 +466,14 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
     experts0 = expert_counters(model)
     t_prefill = time.perf_counter()
     try:
-        if kv_cache is not None:
+        plan = session.plan(ids)
+        if plan.source == "live" and plan.computed == 0:
+            # already at the prompt (a server's session pool brought it there): no second sync. The
+            # disk cache's part of a live sync with nothing to compute is its continued-save check.
+            stats.cached_tokens, stats.cache_source = len(ids), "live"
+            res = kv_cache.after_eval(session) if kv_cache is not None else None
+            cache_events = [] if res is None else [(save_line(res), res)]
+        elif kv_cache is not None:
             report = kv_cache.sync(session, ids)
             ids, stats.cached_tokens = list(report.effective_prompt), report.cached_tokens
             stats.prompt_tokens = len(ids)

@@ -14,7 +14,7 @@
 ``chunk=1`` (the default) is ds4's path exactly: after each score the token is fed by one decode
 step (``Session.eval``; the last scored token is never fed). ``chunk=N`` feeds the scored tokens N
 at a time in one teacher-forced forward whose every position's logits score the next tokens
-(``Model.forward_chunk(want_logits="all")``), which is faster on long texts. In the ``ds4-cpu``
+(``Session.append_with_logits``), which is faster on long texts. In the ``ds4-cpu``
 numerics the two give the same bits (``tests/test_perplexity.py``); in the default numerics a
 decode step runs the compiled one-token graph and a chunk runs MLX's batched products, whose float32
 sums are ordered differently, so the logits differ by rounding (measured there).
@@ -114,7 +114,7 @@ def perplexity(model, text: str, *, ctx: int | None = None, n: int = DEFAULT_MAX
     if chunk == 1:
         nll = _score_decode(model, tokens, scored, ctx, progress)
     else:
-        nll = _score_chunked(model.network, tokens, scored, chunk, progress)
+        nll = _score_chunked(model, tokens, scored, chunk, ctx, progress)
     return result_of(len(tokens), scored, nll)
 
 
@@ -133,25 +133,23 @@ def _score_decode(model, tokens: list[int], scored: int, ctx: int, progress) -> 
     return nll
 
 
-def _score_chunked(network, tokens: list[int], scored: int, chunk: int, progress) -> float:
+def _score_chunked(model, tokens: list[int], scored: int, chunk: int, ctx: int, progress) -> float:
     """The same sum, the scored tokens fed ``chunk`` at a time: the logits after the prefix score the
-    first one, a chunk of fed tokens gives the logits that score the tokens after each of them.
-    The ctx bound holds as in the decode loop: scored <= ctx - 32 and the last token is not fed."""
-    from ds4_mlx.model.host import to_host
-
-    ids = np.asarray(tokens, dtype=np.int64)
-    logits, cache = network.forward_chunk(ids[:PREFIX_TOKENS], network.empty_cache(), want_logits=True)
-    nll = -token_logprob(to_host(logits, np.float32), int(ids[PREFIX_TOKENS])).logprob
+    first one, a chunk of fed tokens gives the logits that score the tokens after each of them
+    (``Session.append_with_logits``). The ctx bound holds as in the decode loop: scored <= ctx - 32
+    and the last token is not fed."""
+    session = model.new_session(ctx=ctx, auto_checkpoints=0)
+    session.sync(tokens[:PREFIX_TOKENS])
+    nll = -session.token_logprob(tokens[PREFIX_TOKENS]).logprob
     done = 1
     if progress is not None:
         progress(done, scored)
     while done < scored:
         take = min(chunk, scored - done)
         start = PREFIX_TOKENS + done - 1  # the first token not fed yet
-        rows, cache = network.forward_chunk(ids[start:start + take], cache, want_logits="all")
-        rows = to_host(rows, np.float32)
+        rows = session.append_with_logits(tokens[start:start + take])
         for r in range(take):
-            nll -= token_logprob(rows[r], int(ids[start + r + 1])).logprob
+            nll -= token_logprob(rows[r], tokens[start + r + 1]).logprob
         done += take
         if progress is not None:
             progress(done, scored)

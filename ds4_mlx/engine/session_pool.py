@@ -7,7 +7,9 @@ the state that already holds most of it. ``SessionPool.prepare(prompt)`` brings 
 rung 1 here because exact DSML replay makes a tool continuation a plain token prefix):
 
 1. *live token prefix*: the session's tokens are a prefix of the prompt, or a kept snapshot is
-   (the end of the previous prompt is always kept, so a resent or edited last turn restores it);
+   (the end of the previous prompt is always kept, so a resent or edited last turn restores it).
+   The session decides which and how much (``Session.plan``): the pool asks it to score a slot,
+   and the sync (the disk cache's, with ``snapshots=True``, or the session's own) executes it;
 2. *thinking-visible*: after an answer without tool calls the session holds the hidden reasoning,
    while the client resends only the visible transcript (``</think>`` + content + EOS). The pool
    remembers those visible ids; a prompt that extends them continues the live state (reasoning
@@ -179,7 +181,7 @@ class SessionPool:
             return memo[slot]
         live = slot.session.tokens
         memo[slot] = (0, 0)
-        if not live or slot.session.common_prefix(prompt) == len(live):
+        if not live or slot.session.plan(prompt).source == "live":
             return memo[slot]  # empty, or already a token prefix (rung 1)
         if "prompt" not in memo:
             memo["prompt"] = self._layout(prompt)
@@ -258,9 +260,9 @@ class SessionPool:
 
     @staticmethod
     def _reach(s, prompt: Sequence[int]) -> int:
-        """How much of ``prompt`` session ``s`` holds, live or in a snapshot it kept."""
-        common = s.common_prefix(prompt)
-        return common if common == s.pos else max([p for p in s.checkpoints() if p <= common] + [0])
+        """How much of ``prompt`` session ``s`` holds, live or in a snapshot it kept (what its
+        sync would reuse)."""
+        return s.plan(prompt).reused
 
     def _turn_end(self, prompt: list[int]) -> int:
         """The position before the last token of the turn that precedes the trailing assistant
@@ -272,36 +274,20 @@ class SessionPool:
         return len(prompt) - 3
 
     def _sync(self, s, target: list[int]):
-        """One sync of ``s`` to ``target`` (disk cache first when there is one): (the tokens the
-        session now holds, tokens reused, disk reports, rung, source)."""
+        """One sync of ``s`` to ``target`` (through the disk cache when there is one, the session's
+        own snapshots first): (the tokens the session now holds, tokens reused, disk reports, rung,
+        source)."""
+        rungs = {"live": "token", "snapshot": "snapshot"}
         if self.disk is not None:
-            self._restore_snapshot(s, target)
-            rep = self.disk.sync(s, target)
+            rep = self.disk.sync(s, target, snapshots=True)
             reused = rep.cached_tokens
-            rung = "disk" if rep.source.startswith("disk") else ("token" if reused else "cold")
+            rung = "disk" if rep.source.startswith("disk") else (rungs.get(rep.source, "cold") if reused else "cold")
             source = "disk" if rung == "disk" else ("live" if reused else "none")
             return list(rep.effective_prompt), reused, [rep], rung, source
         st = s.sync(target)
         reused = st.reused
-        rung = {"live": "token", "snapshot": "snapshot"}.get(st.source, "cold") if reused else "cold"
+        rung = rungs.get(st.source, "cold") if reused else "cold"
         return list(target), reused, [], rung, "live" if reused else "none"
-
-    @staticmethod
-    def _restore_snapshot(s, target: list[int]) -> None:
-        """Before the disk cache (which knows only the live state and its files) sees a target
-        that diverges inside the live tokens: restore the session's own kept snapshot on it."""
-        common = s.common_prefix(target)
-        if common == s.pos:
-            return
-        points = [p for p in s.checkpoints() if 0 < p <= common]
-        if not points:
-            return
-        from ds4_mlx.engine.session import RebuildNeeded
-
-        try:
-            s.sync(target[:max(points)], allow_rebuild=False)
-        except RebuildNeeded:
-            pass
 
     def remember_answer(self, slot: Slot, visible_ids: Sequence[int] | None) -> None:
         """After a tool-less answer ended by EOS: the ids the client will resend for the

@@ -31,6 +31,8 @@ from ds4_mlx.errors import LayoutError
 BACKENDS = ("cpu", "metal", "cuda")
 STRATEGIES = ("device", "host", "auto")
 COMPILE_VAR = "DS4_MLX_COMPILE"
+RESUME_PREFILL_MIN_VAR = "DS4_MLX_RESUME_PREFILL_MIN"
+RESUME_PREFILL_MIN = 2  # measured crossover (``engine/session.py``): a chunk of 2 beats 2 steps
 
 
 def detect_backend() -> str:
@@ -54,9 +56,24 @@ def _switch(var: str, default: bool) -> bool:
 
 
 def compile_switch() -> bool:
-    """``DS4_MLX_COMPILE``: on unless 0 / false / no / off. The plan records it at load; ``runner``
-    still reads it per session (a session opened after the variable changes follows it)."""
+    """``DS4_MLX_COMPILE``: on unless 0 / false / no / off. The plan records it at load; the sessions
+    of that load follow the plan (one opened after the variable changes does not)."""
     return _switch(COMPILE_VAR, True)
+
+
+def resume_prefill_min() -> int:
+    """``DS4_MLX_RESUME_PREFILL_MIN`` (ds4's ``DS4_METAL_RESUME_PREFILL_MIN``): the shortest suffix a
+    session prefills as a chunk rather than decoding token by token; default 2."""
+    value = os.environ.get(RESUME_PREFILL_MIN_VAR, "").strip()
+    if not value:
+        return RESUME_PREFILL_MIN
+    try:
+        n = int(value)
+    except ValueError:
+        raise LayoutError(f"{RESUME_PREFILL_MIN_VAR}={value!r} is not an integer") from None
+    if n < 1:
+        raise LayoutError(f"{RESUME_PREFILL_MIN_VAR}={value!r} must be >= 1")
+    return n
 
 
 @dataclass(frozen=True)
@@ -70,6 +87,7 @@ class LoadPlan:
     compile: bool
     distributed: str | None
     kernels: str | None
+    resume_prefill_min: int = RESUME_PREFILL_MIN
 
     @property
     def gpu(self) -> bool:
@@ -114,4 +132,5 @@ def resolve(numerics: str = "default", backend: str | None = None, experts: str 
     kernels = backend if backend != "cpu" else None
     native_on = backend == "cpu" and _native._setting() == "auto"  # its host products serve MLX's CPU
     return LoadPlan(numerics=str(numerics), backend=backend, experts=experts, native=native_on,
-                    compile=compile_switch(), distributed=distributed, kernels=kernels)
+                    compile=compile_switch(), distributed=distributed, kernels=kernels,
+                    resume_prefill_min=resume_prefill_min())

@@ -32,7 +32,6 @@ from ds4_mlx.model.hyper_connection import HyperConnection, OutputHC
 from ds4_mlx.model.linear import DenseWeight
 from ds4_mlx.model.moe import MoE
 from ds4_mlx.model.ops import DefaultOps, Numerics
-from ds4_mlx.model.runner import Runner
 
 
 class Block:
@@ -250,10 +249,6 @@ class Model:
                 allocator.release_file_pages(self.embedding)
         cache.advance(p0 + len(tokens))
         return H
-
-    def new_session(self, ctx: int | None = None, chunk: int = 2048, compile: bool | None = None):
-        """A model-level ``Runner`` (prefill / eval / logits); users want ``engine.session.Session``."""
-        return Runner(self, ctx=ctx, chunk=chunk, compile=compile)
 
 
 def all_finite(x: mx.array) -> mx.array:

@@ -423,7 +423,7 @@ class EngineBackend(Backend):
         import ds4_mlx
         from ds4_mlx.chat.dsml_stream import ToolCallEnd, ToolCallStart
         from ds4_mlx.chat.request import encode_request
-        from ds4_mlx.engine.generate import sync_report_lines
+        from ds4_mlx.engine.generate import expert_counters, sync_report_lines
 
         prompt = encode_request(self.model.tokenizer, req.messages, req.tools, req.tool_choice,
                                 req.think, self.ctx)
@@ -437,12 +437,17 @@ class EngineBackend(Backend):
             if cancel.is_set():
                 raise _Abandoned
 
+        # The pool's sync is the request's one prefill (generation continues from the session it
+        # leaves at the prompt): its time and expert-cache reads are measured here.
+        experts0 = expert_counters(self.model)
         try:
             prep = self.pool.prepare(prompt, session_id=req.session_id, on_prefill=on_prefill)
         except _Abandoned:
             yield Done("cancelled", error="cancelled during prefill")
             return
         t1 = time.monotonic()
+        experts1 = expert_counters(self.model)
+        prefill_read = 0 if experts0 is None else experts1[2] - experts0[2]
         for report in prep.reports:
             for line, obj in sync_report_lines(report):
                 _log_cache(line, obj)
@@ -491,7 +496,7 @@ class EngineBackend(Backend):
                            reasoning_tokens=0 if req.raw_output else st.reasoning_tokens,
                            expert_hits=st.expert_hits or 0, expert_misses=st.expert_misses or 0,
                            expert_bytes_read=st.expert_bytes_read or 0,
-                           expert_prefill_bytes_read=st.expert_prefill_bytes_read or 0,
+                           expert_prefill_bytes_read=prefill_read,
                            drafted_tokens=st.drafted_tokens, accepted_tokens=st.accepted_tokens)
                 return
         yield Done("error", n_out, error="engine ended without a done event")
