@@ -294,8 +294,11 @@ class Session:
         return SyncStats(self.pos - len(suffix), len(suffix), "live", path)
 
     def eval(self, token: int) -> None:
-        """One decode step: feed ``token`` at position ``pos``."""
-        self.append([token])
+        """One decode step: feed ``token`` at position ``pos`` (``append([token])``, straight to the
+        one feed: the decode loop's every token passes here)."""
+        self._no_pending()
+        self._check_room(1)
+        self._feed(self._check_tokens([token]))
 
     def prefill(self, tokens: Sequence[int]) -> SyncStats:
         """Deprecated since 0.2 (removed in 0.3): ``append(tokens)``, which it always was; ``sync``

@@ -214,32 +214,45 @@ class CompiledDecoder:
 
     # -- one step -----------------------------------------------------------------------------------
 
-    def step(self, token: int, cache: ModelCache, *, evaluate: bool = True) -> mx.array:
-        """Feed ``token`` at position ``cache.n_tokens``; updates ``cache`` in place (evaluated) and
-        returns the next-token logits [n_vocab], lazily: a caller that never reads them (all but the
-        last token of a decoded suffix) skips the output projection, as the chunk path does.
-        ``evaluate=False`` leaves the new cache arrays lazy too: the caller evaluates them with what
-        it reads (e.g. ``mx.depends(next_token, cache.arrays())``), one sync for the whole token.
-        A model whose output matrix is multiplied on the host (``Model.host_head``) returns them
-        evaluated (its input read to the host is the step's one wait): the engine reads every decoded
-        token's logits anyway (a suffix of one token decodes, longer ones prefill)."""
-        model = self.model
-        if model.source is not None:
-            model.source.check_intact()  # weights are about to be read: a truncated file is an error, not SIGBUS
-        carry = self._layers(model.embed(np.array([token], dtype=np.int64)), int(token), cache)
-        return self._finish(carry, cache, "logits", evaluate)
-
-    def run(self, H: mx.array, token: int, cache: ModelCache, *, until: str = "logits",
+    def run(self, token: int, cache: ModelCache, *, H: mx.array | None = None, until: str = "logits",
             evaluate: bool = True) -> mx.array:
-        """This decoder's blocks on H [1, n_hc, n_embd] (``token``'s embedding, or the previous
-        pipeline stage's output) at position ``cache.n_tokens``, then, lazily, ``until``:
-        "logits", the head (the next-token logits [n_vocab]); "hidden", the head's normed hidden
-        state [n_embd] (``Model.head_hidden``: a pipeline's last rank, which shares the output
-        rows with rank 0); "H", only H after the last block (for the next pipeline stage).
-        Updates and advances ``cache`` like ``step``."""
+        """Feed ``token`` at position ``cache.n_tokens`` through this decoder's blocks (from its
+        embedding, or from ``H`` [1, n_hc, n_embd]: the previous pipeline stage's output); updates and
+        advances ``cache`` in place and returns, lazily, ``until``: "logits", the next-token logits
+        [n_vocab] (a caller that never reads them — all but the last token of a decoded suffix — skips
+        the output projection, as the chunk path does); "hidden", the head's normed hidden state
+        [n_embd] (``Model.head_hidden``: a pipeline's last rank, which shares the output rows with rank
+        0); "H", H after the last block (for the next pipeline stage).
+
+        ``evaluate=False`` leaves the new cache arrays lazy too: the caller evaluates them with what
+        it reads (e.g. ``mx.depends(next_token, cache.arrays())``), one sync for the whole token. A
+        model whose output matrix is multiplied on the host (``Model.host_head``) returns the logits
+        evaluated (its input read to the host is the step's one wait). ``Model.step`` is this method:
+        the layer loop is here, not one call further down, so a decoded token reaches a layer's
+        attention in as few calls as mlx-lm's (``benchmarks/bench_call_depth.py``)."""
+        model = self.model
         if until not in self._tails:
             raise InferenceError(f"CompiledDecoder.run: until must be 'logits', 'hidden' or 'H', got {until!r}")
-        return self._finish(self._layers(H, int(token), cache), cache, until, evaluate)
+        if H is None:
+            if model.source is not None:
+                model.source.check_intact()  # weights are about to be read: a truncated file is an error, not SIGBUS
+            H = model.embed(np.array([token], dtype=np.int64))
+        p = cache.n_tokens
+        cache.reserve(p)
+        pos = mx.array(p, dtype=mx.int32)
+        token_arr = mx.array(np.array([token], dtype=np.int32))
+        for il, block in enumerate(model.blocks):
+            lc = cache.layers[block.il]
+            H, arrays = self._layer_fns[il][self._closes(block, p)](H, token_arr, pos, self._tables(il, p),
+                                                                    lc.arrays())
+            # drop the old buffers before anything is evaluated, so MLX may update them in place
+            lc.set_arrays(arrays)
+            del arrays
+        return self._finish([H], cache, until, evaluate)
+
+    def step(self, token: int, cache: ModelCache, *, evaluate: bool = True) -> mx.array:
+        """``run`` from ``token``'s embedding to the logits."""
+        return self.run(token, cache, evaluate=evaluate)
 
     def _finish(self, carry: list[mx.array], cache: ModelCache, until: str, evaluate: bool) -> mx.array:
         """The tail function on the layers' carry; advances the cache's position."""
@@ -255,19 +268,3 @@ class CompiledDecoder:
         if evaluate:
             mx.eval(*cache.arrays())
         return out
-
-    def _layers(self, H: mx.array, token: int, cache: ModelCache) -> list[mx.array]:
-        """The blocks on H at position ``cache.n_tokens`` (the cache's layer arrays are replaced, its
-        position is not advanced): the carry for the tail function."""
-        p = cache.n_tokens
-        cache.reserve(p)
-        pos = mx.array(p, dtype=mx.int32)
-        token_arr = mx.array(np.array([token], dtype=np.int32))
-        for il, block in enumerate(self.model.blocks):
-            lc = cache.layers[block.il]
-            H, arrays = self._layer_fns[il][self._closes(block, p)](H, token_arr, pos, self._tables(il, p),
-                                                                    lc.arrays())
-            # drop the old buffers before anything is evaluated, so MLX may update them in place
-            lc.set_arrays(arrays)
-            del arrays
-        return [H]

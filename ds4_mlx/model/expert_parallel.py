@@ -208,12 +208,8 @@ class ExpertParallelModel(DistributedModel):
         """The compiled decode step without the head, evaluated: every layer's all_sum runs now, on
         every rank, whether or not rank 0 ever reads this step's logits (a rank that skipped its
         last layer's all_sum would leave the others waiting for it)."""
-        if self.source is not None:
-            self.source.check_intact()
         with self.transport.collective():
-            model = self.model
-            H = model.decoder().run(model.embed(np.array([token], dtype=np.int64)), token, cache,
-                                    until="H", evaluate=False)
+            H = self.model.decoder().run(token, cache, until="H", evaluate=False)
             mx.eval(H, *cache.arrays())
         return H
 

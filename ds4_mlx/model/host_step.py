@@ -35,6 +35,7 @@ import mlx.core as mx
 import numpy as np
 
 from ds4_mlx import native
+from ds4_mlx.errors import InferenceError
 from ds4_mlx.model.cache import LayerCache, ModelCache, StepAt
 from ds4_mlx.model.compiled_decode import CompiledDecoder, Counter
 from ds4_mlx.model.host import to_host
@@ -159,13 +160,22 @@ class HostStepDecoder(CompiledDecoder):
         self._layer_fns = [{c: wrap(_to_router(b, templates[b.il], self._counter, c)) for c in self._variants(b)}
                            for b in blocks]
 
-    def _layers(self, H: mx.array, token: int, cache: ModelCache) -> list[mx.array]:
+    def run(self, token: int, cache: ModelCache, *, H: mx.array | None = None, until: str = "logits",
+            evaluate: bool = True) -> mx.array:
+        """``CompiledDecoder.run`` with every layer cut at its router (the module docstring)."""
+        model = self.model
+        if until not in self._tails:
+            raise InferenceError(f"HostStepDecoder.run: until must be 'logits', 'hidden' or 'H', got {until!r}")
+        if H is None:
+            if model.source is not None:
+                model.source.check_intact()  # weights are about to be read: a truncated file is an error, not SIGBUS
+            H = model.embed(np.array([token], dtype=np.int64))
         p = cache.n_tokens
         cache.reserve(p)
         pos = mx.array(p, dtype=mx.int32)
         tokens = np.array([token], dtype=np.int64)
         carry = [H]
-        for il, block in enumerate(self.model.blocks):
+        for il, block in enumerate(model.blocks):
             attn_mixer, ffn_mixer = self._mixers[il]
             lc = cache.layers[block.il]
             # The attention mixer's logits are read here (their own wait) for its Sinkhorn on the host.
@@ -185,4 +195,4 @@ class HostStepDecoder(CompiledDecoder):
             mx.async_eval(shared, *arrays)
             del arrays
             carry = [ffn.routed_experts(xn, sel, ffn.route_weights(prob, sel)), shared, H, post, comb]
-        return carry
+        return self._finish(carry, cache, until, evaluate)

@@ -266,12 +266,9 @@ class PipelineModel(DistributedModel):
         # ``evaluate`` is accepted for the Model interface; H is evaluated here anyway, to be sent
         self._driver_only()
         self._claim(cache)
-        if self.source is not None:
-            self.source.check_intact()
         p = cache.n_tokens
         model = self.model
-        H = model.decoder().run(model.embed(np.array([token], dtype=np.int64)), int(token), cache,
-                                until="H", evaluate=False)
+        H = model.decoder().run(int(token), cache, until="H", evaluate=False)
         mx.eval(H, *cache.arrays())
         self.feeding(cache)
         self.command(Command(STEP, p, np.array([token], dtype=np.int64), True))
@@ -350,7 +347,7 @@ class PipelineModel(DistributedModel):
     def follow_step(self, cmd: Command) -> None:
         H = self._recv_h(1)
         cache = self.live_cache(cmd)
-        y = self.model.decoder().run(H, int(cmd.tokens[0]), cache, until="hidden" if self.is_last else "H",
+        y = self.model.decoder().run(int(cmd.tokens[0]), cache, H=H, until="hidden" if self.is_last else "H",
                                      evaluate=False)
         mx.eval(y, *cache.arrays())
         if not self.is_last:
