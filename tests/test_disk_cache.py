@@ -340,6 +340,28 @@ def test_live_extension_and_evict_save(engine, prompt, cold, tmp_path):
     assert stored_files(dc) == {64: "cold", 128: "continued", 160: "evict", 61: "cold", 192: "continued"}
 
 
+def test_session_snapshots_before_the_disk_only_when_asked(engine, prompt, cold, tmp_path):
+    """The session decides what of its own state a target reuses (``Session.plan``). By default the
+    disk cache takes only the live prefix from it, then ds4's order (evict, the store, compute);
+    ``snapshots=True`` (the server's pool) restores the session's own snapshot before the disk."""
+    dc = DiskCache(engine, tmp_path / "kv", 64, ctx=CTX, options=OPTS)
+    s = engine.new_session(ctx=CTX, chunk=CHUNK)
+    dc.sync(s, prompt[:96])  # stores the cold checkpoint of 64
+    s.snapshot(keep=True)  # 96
+    s.append(prompt[96:130])
+    target = prompt[:100] + prompt[600:620]
+    assert s.plan(target).snapshot.pos == 96 and s.plan(target, snapshots=False).source == "cold"
+    rep = dc.sync(s, target, snapshots=True)
+    assert (rep.source, rep.cached_tokens, summary(rep.saved)) == ("snapshot", 96, [])
+    assert s.tokens == target and same_bits(s.logits(), cold(target)[0])
+    s.append(prompt[620:630])
+    other = prompt[:100] + prompt[650:660]
+    rep = dc.sync(s, other)  # the snapshot at 96 is not used: the live state is saved, the disk hit
+    assert (rep.source, rep.cached_tokens) == ("disk-tokens", 64)
+    assert summary(rep.saved)[0] == ("evict", 130, "stored")
+    assert s.tokens == other and same_bits(s.logits(), cold(other)[0])
+
+
 def test_close_saves_the_whole_live_session(engine, prompt, tmp_path):
     dc = DiskCache(engine, tmp_path / "kv", 64, ctx=CTX, options=OPTS)
     s = engine.new_session(ctx=CTX, chunk=CHUNK)

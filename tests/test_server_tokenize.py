@@ -130,7 +130,7 @@ def test_server_backend_prefills_the_safe_ids(tiny_model_path):
             raise Captured
 
     backend = object.__new__(EngineBackend)  # no model load: only the prompt wiring is under test
-    backend.model = type("M", (), {"tokenizer": tok})()
+    backend.model = type("M", (), {"tokenizer": tok, "network": None})()
     backend.pool = CapturingPool()
     backend.ctx = 32768
     messages = [{"role": "user", "content": INJECTION}]
