@@ -66,7 +66,6 @@ import numpy as np
 from ds4_mlx.formats.ggml_types import GGMLType
 from ds4_mlx.engine.session import Session, Snapshot
 from ds4_mlx.model.cache import ModelCache
-from ds4_mlx.model.device_experts import gpu_backend
 from ds4_mlx.model.experts import ExpertWeights
 from ds4_mlx.synth import benchmark_model_path
 
@@ -347,7 +346,7 @@ def measure(path, experts: str = "auto", n_prefill: int = 512, n_decode: int = 1
     return {
         "model": str(path),
         "strategy": engine.experts,
-        "backend": gpu_backend() or "cpu",  # "metal" / "cuda" when MLX runs on that GPU
+        "backend": engine.load_plan.backend,  # "metal" / "cuda" when MLX runs on that GPU
         "numerics": engine.numerics,
         "prefill_tokens": int(n_prefill),
         "prefill_tps": n_prefill / t_prefill,

@@ -51,13 +51,14 @@ def test_the_ranks_hold_the_resident_split(run, tiny_model_path, monkeypatch):
     workers load with: default numerics, backend and expert strategy, no native library)."""
     from ds4_mlx import native
     from ds4_mlx.formats.layout import load_model_file
+    from ds4_mlx.model import load_plan
     from ds4_mlx.model.loader import resident_split
 
     monkeypatch.setattr(native, "library", lambda: None)  # as DS4_MLX_NATIVE=off in the workers
 
     f, cfg, _ = load_model_file(tiny_model_path)
     try:
-        split = resident_split(f, cfg, 2, "default", None, "auto")
+        split = resident_split(f, cfg, 2, load_plan.resolve())
     finally:
         f.close()
     assert [p["layers"] for p in run["per_rank"]] == [list(r) for r in split.layers]

@@ -248,11 +248,11 @@ def test_the_budget_holds_in_mlx_memory(routed_model, monkeypatch, numerics):
 
     The slack is what the run needs besides its resident state: the same model's transient working
     set without a cache (the unbounded run's peak over its end state: activations, the dequantized
-    groups of DEFAULT numerics' grouped products, 1 MiB here by DENSE_GROUP_BYTES, ds4-cpu's parts)
+    groups of DEFAULT numerics' grouped products, 1 MiB here by DS4_MLX_EXPERT_GROUP_MB, ds4-cpu's parts)
     plus the cache's stated prefill working set, ds4's two full layers of raw blocks. The dense part
     is the bounded run's end state minus its slots (the cache's own accounting) and KV. The
     unbounded device strategy, measured the same way, exceeds that bound: the test can fail."""
-    monkeypatch.setattr(experts_mod, "DENSE_GROUP_BYTES", 1 << 20)
+    monkeypatch.setenv("DS4_MLX_EXPERT_GROUP_MB", "1")  # the load plan passes it to every expert tensor
     count = _count(routed_model)
     kw = {"numerics": numerics}
     experts_mod.EXPERT_CACHE.clear()

@@ -17,6 +17,7 @@ import ds4_mlx
 import numpy as np
 import pytest
 
+from ds4_mlx.model import load_plan
 from ds4_mlx import native, synth
 from ds4_mlx.formats.ggml_types import GGMLType
 from ds4_mlx.formats.layout import load_model_file
@@ -150,7 +151,7 @@ def test_resident_split_weighs_each_layer_by_its_own_type(models):
     its Q4_K bytes (1.7x a q2 layer's), and the split's estimate is those bytes."""
     f, cfg, _ = load_model_file(models["q2-q4"])
     try:
-        w = loader._Weights(f, "cpu", "device")
+        w = loader._Weights(f, load_plan.resolve("default", "cpu", "device"))
         per_layer = [sum(w.resident_nbytes(f"blk.{il}.ffn_{k}_exps.weight", "ds4-cpu") for k in ("gate", "up", "down"))
                      for il in range(cfg.n_layer)]
         assert per_layer == [sum(f.tensor(f"blk.{il}.ffn_{k}_exps.weight").nbytes for k in ("gate", "up", "down"))

@@ -18,7 +18,7 @@ import ds4_mlx
 from ds4_mlx.errors import LayoutError
 from ds4_mlx.frontends.cli import main
 from ds4_mlx.model import device_experts
-from ds4_mlx.model.device_experts import DEVICE_ROUTING, DeviceExpertWeights, resolve_strategy, topk_lowest_id
+from ds4_mlx.model.device_experts import DEVICE_ROUTING, DeviceExpertWeights, topk_lowest_id
 from ds4_mlx.model.host_step import HOST_ROUTING
 from ds4_mlx.engine.session import Session
 from host_traffic import HostTraffic  # benchmarks/, on the path by conftest
@@ -67,12 +67,14 @@ def test_bad_strategy_is_one_line_naming_it(tiny_model_path, bad):
 def test_auto_is_host_on_the_cpu_and_device_on_a_gpu(monkeypatch):
     from ds4_mlx.model import load_plan
 
+    def strategy(experts: str) -> str:
+        return load_plan.resolve(experts=experts).experts
+
     monkeypatch.setattr(load_plan, "detect_backend", lambda: "cpu")  # the one detector
-    assert resolve_strategy("auto") == "host" and device_experts.gpu_backend() is None
+    assert strategy("auto") == "host"
     monkeypatch.setattr(load_plan, "detect_backend", lambda: "cuda")
-    assert device_experts.gpu_backend() == "cuda"
-    assert resolve_strategy("auto") == "device"
-    assert resolve_strategy("host") == "host" and resolve_strategy("device") == "device"
+    assert strategy("auto") == "device"
+    assert strategy("host") == "host" and strategy("device") == "device"
 
 
 @pytest.mark.parametrize("command", ["generate", "chat", "serve", "bench"])

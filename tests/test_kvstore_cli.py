@@ -140,3 +140,21 @@ def test_prune_to_budget(cache, capsys, ds4_head):
     assert rep["removed"][0]["score_note"] == ("anchor x2" if kept is a and not ds4_head else "")
     assert [n for n in os.listdir(d) if n != LOCK_NAME] == []
     assert main(["kv", "prune", str(d), "--budget-mb", "-1"]) == 2
+
+
+def test_prune_waits_the_plans_lock_timeout(tmp_path, capsys, monkeypatch):
+    """``kv prune`` loads no model: it takes DS4_MLX_KV_LOCK_TIMEOUT through the load plan's reader
+    (``load_plan.kv_lock_timeout``), and a bad value is one line naming the variable."""
+    from ds4_mlx.engine import kvstore_admin
+
+    seen = []
+    real = kvstore_admin.prune
+    monkeypatch.setattr(kvstore_admin, "prune", lambda *a, **kw: seen.append(kw["lock_timeout"]) or real(*a, **kw))
+    monkeypatch.setenv("DS4_MLX_KV_LOCK_TIMEOUT", "0.3")
+    assert main(["kv", "prune", str(tmp_path), "--budget-mb", "0"]) == 0
+    assert seen == [0.3]
+    capsys.readouterr()
+    monkeypatch.setenv("DS4_MLX_KV_LOCK_TIMEOUT", "later")
+    assert main(["kv", "prune", str(tmp_path), "--budget-mb", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["ds4-mlx kv: error: DS4_MLX_KV_LOCK_TIMEOUT='later' is not a number of seconds"]

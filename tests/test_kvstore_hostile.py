@@ -244,11 +244,11 @@ def test_lock_is_exclusive_across_processes(tmp_path):
 
 def test_a_lock_another_process_keeps_fails_the_write_after_the_timeout(tmp_path, monkeypatch):
     """#26 item 7: while another process held the directory lock a request waited 29 s (and the
-    one queued behind it 21 s). The writer now waits DS4_MLX_KV_LOCK_TIMEOUT seconds, then the
-    write fails with one line (a failed save: the request goes on without it), nothing stored is
-    lost, and opening and evicting do not wait at all past the timeout."""
-    monkeypatch.setenv("DS4_MLX_KV_LOCK_TIMEOUT", "0.4")
-    store = make_store(tmp_path, BUDGET_MB)
+    one queued behind it 21 s). The writer now waits its ``lock_timeout`` (a load's plan passes
+    DS4_MLX_KV_LOCK_TIMEOUT's) seconds, then the write fails with one line (a failed save: the
+    request goes on without it), nothing stored is lost, and opening and evicting do not wait at
+    all past the timeout."""
+    store = make_store(tmp_path, BUDGET_MB, lock_timeout=0.4)
     store.store(toks(600, 1), "kept before", bytes(FILE_BYTES), "cold")
     before = sorted(p.name for p in tmp_path.glob("*.kv"))
     holder = subprocess.Popen([sys.executable, "-c", f"""
@@ -266,7 +266,7 @@ time.sleep(60)
         assert time.monotonic() - t0 < 3
         t0 = time.monotonic()
         assert store.evict() == []
-        again = make_store(tmp_path, BUDGET_MB)  # opening cleans up under the lock: skipped
+        again = make_store(tmp_path, BUDGET_MB, lock_timeout=0.4)  # opening cleans up under the lock: skipped
         assert time.monotonic() - t0 < 3 and again is not None
     finally:
         holder.kill()

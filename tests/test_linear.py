@@ -24,7 +24,7 @@ from ds4_mlx.model import linear as linear_mod
 from ds4_mlx.model import numerics as numerics_mod
 from ds4_mlx.model.experts import ExpertCache
 from ds4_mlx.model.experts import ExpertWeights
-from ds4_mlx.model.linear import Backend, DenseWeight, default_backend, q8_0_to_affine, resolve_backend
+from ds4_mlx.model.linear import Backend, DenseWeight, q8_0_to_affine, resolve_backend
 from ds4_mlx.model.ops import Numerics, ops_for
 from fp_bounds import assert_within_matmul_bound
 
@@ -257,10 +257,19 @@ def experts(qtype: GGMLType, raw: np.ndarray, n_in: int, **kw) -> ExpertWeights:
 # backend policy and Q8_0 -> affine
 
 
-@pytest.mark.skipif(mx.metal.is_available(), reason="checks the policy on a machine without Metal")
-def test_default_backend_without_metal_is_cpu():
-    assert default_backend() is Backend.CPU
+def test_a_weight_built_without_the_plan_takes_the_cpu_forms(monkeypatch):
+    """Nothing below the loader reads the device (#23): with no backend a weight holds the CPU form
+    (float32, right on any device) even where the machine is a GPU; the loader passes its plan's."""
+    from ds4_mlx.model import load_plan
+
+    monkeypatch.setattr(load_plan, "detect_backend", lambda: "cuda")
     assert resolve_backend(None) is Backend.CPU
+    raw = np.zeros((4, 34), np.uint8)
+    assert DenseWeight("w", GGMLType.Q8_0, raw, 32).form == "float32"
+    assert DenseWeight("w", GGMLType.Q8_0, raw, 32, backend="cuda").form == "affine"
+    assert DenseWeight("w", GGMLType.Q8_0, raw, 32, backend="metal", use_kernels=True).form == "blocks"
+    assert DenseWeight("w", GGMLType.F16, np.zeros((4, 32), np.float16), 32, backend="cuda").form == "half"
+    assert DenseWeight("w", GGMLType.Q8_0, raw, 32, backend="cuda").rows(1, 3).form == "affine"
 
 
 def test_resolve_backend_names():
@@ -680,7 +689,7 @@ def test_grouped_dense_expert_path_is_bit_identical(monkeypatch):
     x = mx.array(rng.standard_normal((40, 1, n_in)).astype(np.float32))
     ids = rng.integers(0, n_exp, (40, 4))
     whole = np.array(w(x, ids))
-    monkeypatch.setattr(ex, "DENSE_GROUP_BYTES", 3 * out_dim * n_in * 4)  # 3 experts per group
+    w.group_bytes = 3 * out_dim * n_in * 4  # 3 experts per group (a load passes DS4_MLX_EXPERT_GROUP_MB's)
     grouped = np.array(w(x, ids))
     assert np.unique(ids).size > 3
     assert np.array_equal(whole.view(np.uint32), grouped.view(np.uint32))

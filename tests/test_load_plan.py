@@ -68,6 +68,125 @@ def test_compile_switch(monkeypatch):
     assert load_plan.resolve(detect=lambda: "cpu").compile is True
 
 
+ENV_VARS = (load_plan.EXPERT_CACHE_VAR, load_plan.EXPERT_GROUP_VAR, load_plan.KV_LOCK_VAR,
+            load_plan.DIST_TIMEOUT_VAR)
+
+
+def test_the_environment_is_read_into_the_plan(monkeypatch):
+    """Each tunable the environment sets is a plan field, read once in ``resolve`` (#23), with the
+    defaults the modules below used to read for themselves."""
+    for var in ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+    plan = load_plan.resolve(detect=lambda: "cpu")
+    assert (plan.expert_cache_bytes, plan.expert_cache_explicit) == (1024 << 20, False)
+    assert (plan.expert_group_bytes, plan.kv_lock_timeout, plan.join_timeout) == (512 << 20, 5.0, None)
+    assert "expert LRU 1024 MiB default" in plan.describe()
+    monkeypatch.setenv(load_plan.EXPERT_CACHE_VAR, "0.5")
+    monkeypatch.setenv(load_plan.EXPERT_GROUP_VAR, "3")
+    monkeypatch.setenv(load_plan.KV_LOCK_VAR, "0.25")
+    monkeypatch.setenv(load_plan.DIST_TIMEOUT_VAR, "7")
+    plan = load_plan.resolve(distributed="pipeline", detect=lambda: "cpu")
+    assert (plan.expert_cache_bytes, plan.expert_cache_explicit) == (1 << 19, True)
+    assert (plan.expert_group_bytes, plan.kv_lock_timeout, plan.join_timeout) == (3 << 20, 0.25, 7.0)
+    line = plan.describe()
+    assert "expert LRU 0.5 MiB," in line and "distributed pipeline (join within 7 s)" in line
+    assert load_plan.resolve(distributed="pipeline", join_timeout=2, detect=lambda: "cpu").join_timeout == 2.0
+    monkeypatch.setenv(load_plan.EXPERT_CACHE_VAR, "0")  # 0 disables the LRU: explicit, allowed
+    assert load_plan.resolve(detect=lambda: "cpu").expert_cache_bytes == 0
+    assert load_plan.kv_lock_timeout() == 0.25  # the ``kv`` commands' reader: the same rule
+
+
+@pytest.mark.parametrize("var, value, why", [
+    (load_plan.EXPERT_CACHE_VAR, "lots", "is not a number of MiB"),
+    (load_plan.EXPERT_CACHE_VAR, "-1", "must be a finite number of MiB >= 0"),
+    (load_plan.EXPERT_GROUP_VAR, "0", "must be a finite number of MiB > 0"),
+    (load_plan.KV_LOCK_VAR, "soon", "is not a number of seconds"),
+    (load_plan.KV_LOCK_VAR, "inf", "must be a finite number of seconds >= 0"),
+    (load_plan.DIST_TIMEOUT_VAR, "abc", "is not a number of seconds"),
+    (load_plan.DIST_TIMEOUT_VAR, "0", "must be a finite number of seconds > 0"),
+    (load_plan.DIST_TIMEOUT_VAR, "nan", "must be a finite number of seconds > 0"),
+])
+def test_a_bad_variable_is_a_layout_error_naming_it(monkeypatch, var, value, why):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(LayoutError) as info:
+        load_plan.resolve(distributed="pipeline", detect=lambda: "cpu")
+    msg = str(info.value)
+    assert msg.startswith(f"{var}={value!r}") and why in msg and "\n" not in msg
+
+
+def test_the_distributed_timeout_is_read_for_a_distributed_load_only(monkeypatch):
+    monkeypatch.setenv(load_plan.DIST_TIMEOUT_VAR, "abc")
+    assert load_plan.resolve(detect=lambda: "cpu").join_timeout is None  # not used: not read
+    with pytest.raises(LayoutError, match="join_timeout=0: must be a finite number of seconds > 0"):
+        load_plan.resolve(distributed="experts", join_timeout=0, detect=lambda: "cpu")
+
+
+@pytest.mark.parametrize("backend, qtype, kernels, form", [
+    ("cpu", GGMLType.Q8_0, False, "float32"), ("cpu", GGMLType.Q8_0, True, "float32"),
+    ("cpu", GGMLType.F16, False, "float32"), ("metal", GGMLType.Q8_0, False, "affine"),
+    ("cuda", GGMLType.Q8_0, False, "affine"), ("cuda", GGMLType.Q8_0, True, "blocks"),
+    ("metal", GGMLType.F16, False, "half"), ("cuda", GGMLType.F32, False, "float32"),
+])
+def test_dense_form_is_decided_in_one_place(backend, qtype, kernels, form):
+    """``load_plan.dense_form`` decides every dense weight's form; ``DenseWeight`` and its resident
+    bytes follow it."""
+    from ds4_mlx.model.linear import dense_resident_nbytes
+
+    assert load_plan.dense_form(backend, qtype, kernels) == form
+    n_in = 64
+    raw = {GGMLType.Q8_0: np.zeros((2, n_in // 32 * 34), np.uint8), GGMLType.F16: np.zeros((2, n_in), np.float16),
+           GGMLType.F32: np.zeros((2, n_in), np.float32)}[qtype]
+    w = DenseWeight("w", qtype, raw, n_in, backend=backend, use_kernels=kernels)
+    assert w.form == form
+    assert w.resident_nbytes() == dense_resident_nbytes(qtype, (2, n_in), backend, kernels)
+    plan = load_plan.resolve(backend=backend, experts="host", detect=lambda: "cpu")
+    if not kernels:
+        assert plan.dense_form(qtype) == form
+
+
+def test_expert_weights_built_without_the_loader_run_the_twins(monkeypatch):
+    """A directly built ``ExpertWeights`` asks no machine: no kernels unless a dialect is passed
+    (the loader passes its plan's ``kernels``)."""
+    monkeypatch.setattr(mk, "available_dialects", lambda: ["metal", "cuda"])  # a GPU box, as far as MLX says
+    raw = np.zeros((2, 4, 66), np.uint8)
+    assert ExpertWeights("e", GGMLType.IQ2_XXS, raw, 256, backend="cuda").kernel_dialect is None
+    assert ExpertWeights("e", GGMLType.IQ2_XXS, raw, 256, backend="cuda", use_kernels="cuda").kernel_dialect == "cuda"
+    assert ExpertWeights("e", GGMLType.IQ2_XXS, raw, 256, backend="cuda", use_kernels=True).kernel_dialect == "cuda"
+    assert ExpertWeights("e", GGMLType.IQ2_XXS, raw, 256, use_kernels=True).kernel_dialect == "metal"
+
+
+def test_the_load_passes_the_plan_down(tiny_model_path, monkeypatch):
+    """The expert LRU is sized from the plan at load (keeping an explicit budget apart from the
+    default that ranks scale), every expert tensor gets the plan's group size, and a disk KV cache
+    the plan's lock timeout."""
+    from ds4_mlx.engine.disk_cache import DiskCache
+    from ds4_mlx.model import experts as ex
+
+    saved = (ex.EXPERT_CACHE.limit_bytes, ex.EXPERT_CACHE.default_bytes, ex.EXPERT_CACHE.explicit)
+    try:
+        monkeypatch.setenv(load_plan.EXPERT_CACHE_VAR, "3")
+        monkeypatch.setenv(load_plan.EXPERT_GROUP_VAR, "2")
+        monkeypatch.setenv(load_plan.KV_LOCK_VAR, "0.75")
+        engine = ds4_mlx.load(str(tiny_model_path), experts="host")
+        assert engine.load_plan.expert_cache_bytes == 3 << 20
+        assert (ex.EXPERT_CACHE.limit_bytes, ex.EXPERT_CACHE.explicit) == (3 << 20, True)
+        assert engine.memory_plan.weights.expert_lru <= 3 << 20
+        found = _weights(engine.network)
+        assert found["experts"] and all(e.group_bytes == 2 << 20 for e in found["experts"])
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as d:
+            assert DiskCache(engine, d, 64, ctx=512).store.lock_timeout == 0.75
+        monkeypatch.delenv(load_plan.EXPERT_CACHE_VAR)
+        ds4_mlx.load(str(tiny_model_path), experts="host")  # the default does not replace the user's
+        assert (ex.EXPERT_CACHE.limit_bytes, ex.EXPERT_CACHE.explicit) == (3 << 20, True)
+        ex.EXPERT_CACHE.explicit = False
+        ds4_mlx.load(str(tiny_model_path), experts="host")
+        assert (ex.EXPERT_CACHE.limit_bytes, ex.EXPERT_CACHE.explicit) == (1024 << 20, False)
+    finally:
+        ex.EXPERT_CACHE.limit_bytes, ex.EXPERT_CACHE.default_bytes, ex.EXPERT_CACHE.explicit = saved
+
+
 # --------------------------------------------------------------------------------------------------
 # Q8_0 -> affine: exact with float32 scales; the float16 measurement
 
@@ -214,3 +333,15 @@ def test_device_experts_run_the_cuda_dialect(tiny_model_path, mocked_cuda, cache
 def mk_dense(raw, qtype):
     from ds4_mlx.model import mxfp4
     return np.array(mxfp4.expert_rows_mlx(mx.array(np.ascontiguousarray(raw)), qtype))
+
+
+def test_version_names_a_bad_variable(monkeypatch):
+    """``ds4-mlx --version`` prints the plan; a bad variable is named on its plan line, not a traceback."""
+    from ds4_mlx.frontends.cli import version_text
+
+    for var in ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+    assert "expert LRU 1024 MiB default" in version_text().splitlines()[2]
+    monkeypatch.setenv(load_plan.KV_LOCK_VAR, "soon")
+    assert version_text().splitlines()[2] == ("load plan: error: DS4_MLX_KV_LOCK_TIMEOUT='soon' is not a number "
+                                              "of seconds")

@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+from ds4_mlx.model import load_plan
 from ds4_mlx.errors import MemoryPlanError
 from ds4_mlx.frontends.cli import main
 from ds4_mlx.model import loader, memory_plan as mp
@@ -66,8 +67,8 @@ def machine(gib: float) -> mp.Machine:
 def test_q2_on_64gb_refuses_device_with_every_expert_and_fits_host(flash):
     f, cfg = flash
     assert cfg.n_layer == 43
-    device = loader.plan_memory(f, cfg, strategy="device", backend="cpu", simulate_memory=64)
-    host = loader.plan_memory(f, cfg, strategy="host", backend="cpu", simulate_memory=64)
+    device = loader.plan_memory(f, cfg, load_plan.resolve(backend="cpu", experts="device"), simulate_memory=64)
+    host = loader.plan_memory(f, cfg, load_plan.resolve(backend="cpu", experts="host"), simulate_memory=64)
     # the numbers against the file: routed experts ~90 % of its ~81 GiB, all of them resident with device
     size = f.file_size
     assert 80 * GiB < size < 82 * GiB
@@ -99,10 +100,10 @@ def test_metal_plan_and_the_wired_limit(flash):
     Metal working-set limit macOS sets by default (~75 % of RAM); the advice raises it with sysctl
     when the machine has the memory."""
     f, cfg = flash
-    metal = loader.weight_bytes(f, cfg, backend="metal", strategy="device")
-    cpu = loader.weight_bytes(f, cfg, backend="cpu", strategy="device")
+    metal = loader.weight_bytes(f, cfg, load_plan.resolve(backend="metal", experts="device"))
+    cpu = loader.weight_bytes(f, cfg, load_plan.resolve(backend="cpu", experts="device"))
     assert metal.dense_bytes < 0.5 * cpu.dense_bytes  # 8-bit affine, not float32
-    host = loader.weight_bytes(f, cfg, backend="metal", strategy="host")
+    host = loader.weight_bytes(f, cfg, load_plan.resolve(backend="metal", experts="host"))
 
     def mac(gib: int, working_set_gib: float) -> mp.Machine:
         return mp.machine_from_readings("Darwin", gpu=True, mem_total=gib * GiB,
@@ -123,7 +124,7 @@ def test_metal_plan_and_the_wired_limit(flash):
 
 def test_the_advice_names_a_halved_ctx_that_fits(flash):
     f, cfg = flash
-    host = loader.weight_bytes(f, cfg, backend="cpu", strategy="host")
+    host = loader.weight_bytes(f, cfg, load_plan.resolve(backend="cpu", experts="host"))
     at_1m = mp.plan(cfg, host, ctx=1 << 20, machine=machine(33))
     assert at_1m.kv_total > 10 * GiB  # ~13 GiB of compressed KV at the full context
     assert at_1m.fits is False
@@ -136,7 +137,7 @@ def test_the_advice_names_a_halved_ctx_that_fits(flash):
 
 def test_default_experts_cache_bytes(flash, monkeypatch):
     f, cfg = flash
-    device = loader.weight_bytes(f, cfg, backend="metal", strategy="device")
+    device = loader.weight_bytes(f, cfg, load_plan.resolve(backend="metal", experts="device"))
     everything = mp.plan(cfg, device, ctx=32768, machine=machine(200))
     assert everything.fits and mp.default_experts_cache_bytes(everything) is None
     p = mp.plan(cfg, device, ctx=32768, machine=machine(48))
@@ -147,7 +148,8 @@ def test_default_experts_cache_bytes(flash, monkeypatch):
     assert with_cache.cache_bytes == n and with_cache.lru_bytes == 0  # the bounded cache keeps no dequantized expert
     assert [r.nbytes for r in with_cache.rows() if r.label == "expert cache"] == [n]
     assert not p._with(experts_cache_bytes=n + 1).fits  # the largest that fits
-    assert mp.default_experts_cache_bytes(mp.plan(cfg, loader.weight_bytes(f, cfg, backend="metal"), ctx=32768,
+    host_metal = loader.weight_bytes(f, cfg, load_plan.resolve(backend="metal", experts="host"))
+    assert mp.default_experts_cache_bytes(mp.plan(cfg, host_metal, ctx=32768,
                                                   machine=machine(48))) is None  # host: no device cache
     floor = 2 * device.layer_experts + 6 * device.experts_gguf // 256
     assert n >= floor
@@ -451,7 +453,7 @@ def test_device_experts_that_do_not_fit_get_the_bounded_cache_that_does(tiny_mod
 
     f, cfg, _ = load_model_file(tiny_model_path)
     try:
-        everything = loader.plan_memory(f, cfg, strategy="device", ctx=64, simulate_memory=1024)
+        everything = loader.plan_memory(f, cfg, load_plan.resolve(experts="device"), ctx=64, simulate_memory=1024)
     finally:
         f.close()
     # a machine a quarter of the routed experts short of holding them all (a bounded cache keeps no
@@ -483,7 +485,8 @@ def test_inspect_plan_shows_the_cache_the_load_would_build(capsys, tiny_model_pa
                  "--ctx", "64", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["total_bytes"] == engine.memory_plan.total
-    f_plan = loader.plan_memory(engine.network.source, engine.config, strategy="device", ctx=64, simulate_memory=1024)
+    f_plan = loader.plan_memory(engine.network.source, engine.config, load_plan.resolve(experts="device"), ctx=64,
+                                simulate_memory=1024)
     limit = (f_plan.total - f_plan.lru_bytes - f_plan.weights.experts_resident // 4) / GiB
     assert main(["inspect", "--plan", str(tiny_model_path), "--experts", "device", "--ctx", "64",
                  "--simulate-memory", f"{limit:.6f}", "--json"]) == 0

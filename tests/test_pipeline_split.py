@@ -12,6 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from ds4_mlx.model import load_plan
 from ds4_mlx import native
 from ds4_mlx.errors import DistributedError, LayoutError
 from ds4_mlx.formats.ggml_types import GGMLType
@@ -97,7 +98,7 @@ def test_dense_estimate_of_a_row_range(tiny_model_path, numerics, monkeypatch):
             assert _built(w) == 0
         else:
             mx.eval(w(x) if numerics == "default" else w.ds4_cpu(x))
-        weights = loader._Weights(f, "cpu", "host")
+        weights = loader._Weights(f, load_plan.resolve("default", "cpu", "host"))
         if host:
             assert weights.resident_nbytes("output.weight", numerics, rows=rows) == w.nbytes
             assert weights.resident_nbytes("output.weight", "ds4-cpu") > 0  # ds4-cpu keeps its own form
@@ -263,7 +264,7 @@ def test_tensor_kind_is_how_the_loader_takes_each_tensor(tiny_model_path):
 
         loader._Weights = Recording
         try:
-            loader._build(f, cfg, loader.parse_numerics("default"), "cpu", "host")
+            loader._build(f, cfg, load_plan.resolve("default", "cpu", "host"))
         finally:
             loader._Weights = real
         assert set(seen) == set(f.tensors)  # the model takes every tensor of the file
@@ -274,7 +275,7 @@ def test_tensor_kind_is_how_the_loader_takes_each_tensor(tiny_model_path):
 
 def _resident_loads(f, cfg, split, numerics):
     """Each rank's resident bytes under ``split`` (host strategy, no expert LRU: ds4-cpu keeps none)."""
-    w = loader._Weights(f, "cpu", "host")
+    w = loader._Weights(f, load_plan.resolve("default", "cpu", "host"))
     loads = []
     for rank, layers in enumerate(split.layers):
         b = sum(w.resident_nbytes(n, numerics) for n in f.tensors
@@ -294,20 +295,21 @@ def test_the_tiny_model_split(tiny_model_path):
     try:
         for numerics in ("default", "ds4-cpu"):
             for strategy in ("host", "device"):
-                split = loader.resident_split(f, cfg, 2, numerics, "cpu", strategy)
+                split = loader.resident_split(f, cfg, 2, load_plan.resolve(numerics, "cpu", strategy))
                 assert 0 < split.head_cut < cfg.n_vocab, (numerics, strategy, split)
-        split = loader.resident_split(f, cfg, 2, "ds4-cpu", "cpu", "host")
+        split = loader.resident_split(f, cfg, 2, load_plan.resolve("ds4-cpu", "cpu", "host"))
         assert split.layers == (range(0, 2), range(2, 6)) and split.head_cut == 73677
         whole = pipeline.PipelineSplit((range(0, 5), range(5, 6)), 0, cfg.n_vocab)  # the best with the head whole
         loads, before = _resident_loads(f, cfg, split, "ds4-cpu"), _resident_loads(f, cfg, whole, "ds4-cpu")
         assert max(loads) < 0.7 * max(before) and abs(loads[0] - loads[1]) < 0.01 * max(loads), (loads, before)
-        w = loader._Weights(f, "cpu", "host")
+        w = loader._Weights(f, load_plan.resolve("default", "cpu", "host"))
         # default numerics: the float32 head MLX multiplies, or its Q8_0 blocks when the native library
         # multiplies it on the host (``loader.host_head``)
         q8_0_bytes = cfg.n_vocab * cfg.n_embd // 32 * 34
         expect = q8_0_bytes if native.available() else 4 * cfg.n_vocab * cfg.n_embd
         assert w.resident_nbytes("output.weight", "default") == expect
-        assert loader._Weights(f, "cpu", "device").resident_nbytes("output.weight", "default") == \
+        device = loader._Weights(f, load_plan.resolve("default", "cpu", "device"))
+        assert device.resident_nbytes("output.weight", "default") == \
             4 * cfg.n_vocab * cfg.n_embd
         assert w.resident_nbytes("token_embd.weight", "default") == 0  # gathered from the mapping
     finally:
@@ -342,14 +344,15 @@ def test_the_split_by_resident_bytes_differs_from_gguf_bytes(skewed_model):
         by_gguf = pipeline.gguf_split(f, cfg.n_layer, 2)
         # ds4-cpu on the host strategy: the experts stay in the mapping, the head is float32 + scales,
         # and most of it goes to rank 0, which then takes one layer
-        by_resident = loader.resident_split(f, cfg, 2, "ds4-cpu", "cpu", "host")
+        by_resident = loader.resident_split(f, cfg, 2, load_plan.resolve("ds4-cpu", "cpu", "host"))
         assert by_gguf == [range(0, 2), range(2, 4)]
         assert by_resident == pipeline.PipelineSplit((range(0, 1), range(1, 4)), 7264, cfg.n_vocab)
         # and it holds less on the largest rank than the GGUF split (the head whole on the last rank)
         gguf_split = pipeline.PipelineSplit(tuple(by_gguf), 0, cfg.n_vocab)
         loads = _resident_loads(f, cfg, by_resident, "ds4-cpu")
         assert max(loads) < max(_resident_loads(f, cfg, gguf_split, "ds4-cpu"))
-        assert loader.resident_split(f, cfg, 2, "ds4-cpu", "cpu", "host") == by_resident  # deterministic
+        again = loader.resident_split(f, cfg, 2, load_plan.resolve("ds4-cpu", "cpu", "host"))
+        assert again == by_resident  # deterministic
     finally:
         f.close()
 
@@ -399,7 +402,7 @@ def test_tensors_the_model_does_not_take_weigh_nothing(tiny_model_path):
 
     f, cfg, _ = open_model(tiny_model_path)
     try:
-        expected = loader.resident_split(f, cfg, 2)
+        expected = loader.resident_split(f, cfg, 2, load_plan.resolve())
         real_tensor, real_array, extra = f.tensor, f.tensor_array, {
             "blk.x.attn_q_a.weight": (Info((512, 64), GGMLType.F32, 1 << 30), np.zeros((64, 512), np.float32)),
             "blk.99.attn_q_a.weight": (Info((512, 64), GGMLType.F32, 1 << 30), np.zeros((64, 512), np.float32)),
@@ -409,8 +412,8 @@ def test_tensors_the_model_does_not_take_weigh_nothing(tiny_model_path):
         f.tensors = {**f.tensors, **{n: v[0] for n, v in extra.items()}}
         f.tensor = lambda n: extra[n][0] if n in extra else real_tensor(n)
         f.tensor_array = lambda n: extra[n][1] if n in extra else real_array(n)
-        assert loader.resident_split(f, cfg, 2) == expected
-        w = loader._Weights(f, "cpu", "host")
+        assert loader.resident_split(f, cfg, 2, load_plan.resolve()) == expected
+        w = loader._Weights(f, load_plan.resolve("default", "cpu", "host"))
         assert [w.resident_nbytes(n, "default") for n in extra][2:] == [0, 0]  # not a dense / expert tensor
     finally:
         f.close()

@@ -91,17 +91,10 @@ def check_sweep(ctx_start: int, ctx_step: int, ctx_max: int, gen_tokens: int,
                          f"{context_length} tokens")
 
 
-def backend_name() -> str:
-    """What MLX computes on, for labels: e.g. "mlx gpu (metal)" or "mlx cpu"."""
-    dev = mx.default_device()
-    kind = "gpu" if dev.type == mx.DeviceType.gpu else "cpu"
-    if kind == "gpu":
-        if mx.metal.is_available():
-            return "mlx gpu (metal)"
-        cuda = getattr(mx, "cuda", None)
-        if cuda is not None and cuda.is_available():
-            return "mlx gpu (cuda)"
-    return f"mlx {kind}"
+def backend_name(engine) -> str:
+    """What the loaded ``engine`` computes on, for labels: e.g. "mlx gpu (metal)" or "mlx cpu", from
+    its load plan (``LoadPlan.device_text``), the one place the machine was read."""
+    return engine.load_plan.device_text()
 
 
 def _greedy_no_eos(session, eos_id: int | None) -> int:

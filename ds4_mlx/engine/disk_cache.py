@@ -158,7 +158,8 @@ class DiskCache:
         self.ctx = ctx
         self.options = options
         self.store = KVStore(directory, budget_mb, model_id=engine.model_id, quant_bits=engine.quant_bits,
-                             ctx=ctx, payload_version=PAYLOAD_VERSION, options=options, clock=clock)
+                             ctx=ctx, payload_version=PAYLOAD_VERSION, options=options, clock=clock,
+                             lock_timeout=engine.load_plan.kv_lock_timeout)  # the load plan's wait
         self._tokenizer = engine.tokenizer
         self._user_id = engine.user_id
         self._assistant_id = engine.assistant_id

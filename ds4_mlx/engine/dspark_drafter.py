@@ -76,15 +76,14 @@ class DSparkDrafter(RowDrafter):
         mx.eval(*rings)
         self.rings, self.end = rings, q0 + r
 
-def load_dspark_drafter(path, target, checkpoint=None, backend: str | None = None,
-                        confidence: float = DEFAULT_CONFIDENCE) -> DSparkDrafter:
+def load_dspark_drafter(path, target, checkpoint=None, confidence: float = DEFAULT_CONFIDENCE) -> DSparkDrafter:
     """A ``DSparkDrafter`` for ``target`` (a loaded 0731 ``Model``) from the DSpark GGUF at ``path``
     (``model.drafter_loader.load_drafter``: validated, refused with a DrafterError when it does not
     belong to the target)."""
     from ds4_mlx.errors import DrafterError
     from ds4_mlx.model.drafter_loader import load_drafter
 
-    head = load_drafter(path, target, checkpoint, backend)
+    head = load_drafter(path, target, checkpoint)
     if not isinstance(head, DSparkHead):
         head.close()
         raise DrafterError(f"{path}: an MTP head, not a DSpark drafter")

@@ -107,6 +107,7 @@ from ds4_mlx.engine.kvstore_policy import (
     required_bytes,
 )
 from ds4_mlx.engine.kvstore_scan import (
+    LOCK_TIMEOUT_S,
     DirScan,
     KVCacheDirError,
     KVLockTimeout,
@@ -180,13 +181,14 @@ class KVStore:
     ``accept_other_quant``, ds4's default), or were saved for a larger ctx are never offered.
     ``budget_mb`` is in MiB (fractions allowed; 0 = ds4's default 4096). ``clock`` returns unix
     seconds (injectable for tests). Opening removes dead writers' temp files and evicts down to
-    the budget, as ds4 does on open.
+    the budget, as ds4 does on open. ``lock_timeout``: seconds a write waits for another process's
+    lock on the directory (``directory_lock``; a load's plan gives ``DS4_MLX_KV_LOCK_TIMEOUT``'s).
     """
 
     def __init__(self, directory: str | os.PathLike, budget_mb: float = DEFAULT_BUDGET_MB, *,
                  model_id: bytes | str, quant_bits: int, ctx: int, payload_version: int = 1,
                  options: KVStoreOptions = DEFAULT_OPTIONS, accept_other_quant: bool = False,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, lock_timeout: float = LOCK_TIMEOUT_S):
         if quant_bits not in QUANT_BITS:
             raise KVStoreError(f"quant_bits={quant_bits!r}: expected 2 or 4")
         if not isinstance(ctx, int) or not 0 < ctx <= U32_MAX:
@@ -202,6 +204,7 @@ class KVStore:
         self.options = options
         self.accept_other_quant = accept_other_quant
         self._clock = clock
+        self.lock_timeout = float(lock_timeout)
         self._lock = threading.RLock()
         self._failed: dict[str, tuple[int, int]] = {}  # name -> (size, mtime_ns) of a failed load
         self._logged: set[tuple] = set()
@@ -213,7 +216,7 @@ class KVStore:
             raise KVCacheDirError(f"{self.directory}: cannot create the KV cache directory: "
                                   f"{exc.strerror or exc}") from None
         try:
-            with directory_lock(self.directory):
+            with directory_lock(self.directory, self.lock_timeout):
                 clean_stale_temps(self.directory, self._clock())
                 evict_to_budget(self.directory, self.budget, self._clock(), options=options)
         except KVLockTimeout as exc:  # the next store evicts; opening must not wait for a stranger
@@ -426,7 +429,7 @@ class KVStore:
             return None
         key = hashlib.sha1(text_b).hexdigest()
         name = f"{key}.kv"
-        with self._lock, directory_lock(self.directory):
+        with self._lock, directory_lock(self.directory, self.lock_timeout):
             return self._store_locked(name, n, token_bytes, text_b, views, payload_bytes, ktm, ext,
                                       reason, key_kind, file_bytes)
 
@@ -572,7 +575,7 @@ class KVStore:
         """Evict down to the budget now (ds4 does this on open and after each store); nothing
         when another process holds the directory's lock past the timeout (it is evicting)."""
         try:
-            with self._lock, directory_lock(self.directory):
+            with self._lock, directory_lock(self.directory, self.lock_timeout):
                 return evict_to_budget(self.directory, self.budget, self._clock(), protect=protect,
                                        options=self.options)
         except KVLockTimeout as exc:

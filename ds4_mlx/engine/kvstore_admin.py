@@ -37,7 +37,7 @@ from ds4_mlx.engine.kvstore_format import (
     read_entry,
 )
 from ds4_mlx.engine.kvstore_policy import DEFAULT_OPTIONS, KVStoreOptions
-from ds4_mlx.engine.kvstore_scan import clean_stale_temps, directory_lock, scan_dir
+from ds4_mlx.engine.kvstore_scan import LOCK_TIMEOUT_S, clean_stale_temps, directory_lock, scan_dir
 from ds4_mlx.errors import KVStoreError
 
 PREVIEW_CHARS = 40
@@ -235,16 +235,17 @@ class PruneReport:
 
 
 def prune(directory: str | os.PathLike, budget_bytes: int, options: KVStoreOptions = DEFAULT_OPTIONS,
-          now: float | None = None) -> PruneReport:
+          now: float | None = None, lock_timeout: float = LOCK_TIMEOUT_S) -> PruneReport:
     """Remove dead writers' temp files, then evict in eviction order (damaged files first, then
     lowest score) until the directory fits ``budget_bytes`` (0 empties it). Holds the writers'
-    lock throughout, so a store in another process cannot refill the directory meanwhile.
+    lock throughout (waiting ``lock_timeout`` seconds for it at most), so a store in another
+    process cannot refill the directory meanwhile.
     ``within_budget`` is False when a file could not be deleted."""
     directory = cache_dir(directory)
     if budget_bytes < 0:
         raise KVStoreError(f"budget of {budget_bytes} bytes: must be >= 0")
     now = time.time() if now is None else now
-    with directory_lock(directory):
+    with directory_lock(directory, lock_timeout):
         temps = clean_stale_temps(directory, now)
         removed = evict_to_budget(directory, budget_bytes, now, options=options)
         scan = scan_dir(directory)

@@ -214,23 +214,17 @@ def check_cache_dir(directory: str | os.PathLike) -> None:
                               f"directory of its own")
 
 
-LOCK_TIMEOUT_S = 5.0  # how long a writer waits for another process's lock (DS4_MLX_KV_LOCK_TIMEOUT)
+# How long a writer waits for another process's lock by default; a load's plan (and the ``kv``
+# commands) pass ``DS4_MLX_KV_LOCK_TIMEOUT``'s value down (``model.load_plan.kv_lock_timeout``).
+LOCK_TIMEOUT_S = 5.0
 
 
 class KVLockTimeout(KVStoreError):
     """Another process held the cache directory's lock for longer than the timeout."""
 
 
-def lock_timeout() -> float:
-    env = os.environ.get("DS4_MLX_KV_LOCK_TIMEOUT")
-    try:
-        return max(0.0, float(env)) if env else LOCK_TIMEOUT_S
-    except ValueError:
-        return LOCK_TIMEOUT_S
-
-
 @contextmanager
-def directory_lock(directory: str | os.PathLike, timeout: float | None = None) -> Iterator[bool]:
+def directory_lock(directory: str | os.PathLike, timeout: float = LOCK_TIMEOUT_S) -> Iterator[bool]:
     """Hold an exclusive advisory lock on the cache directory (``flock`` on ``LOCK_NAME`` in it).
 
     Every writer takes it around "make room, then write", so the budget holds for any number of
@@ -239,7 +233,7 @@ def directory_lock(directory: str | os.PathLike, timeout: float | None = None) -
     the lock file cannot be opened (a read-only directory, where nothing can be written anyway).
 
     A lock another process holds is waited for at most ``timeout`` seconds (default
-    :func:`lock_timeout`), then ``KVLockTimeout`` is raised: a stuck or slow process sharing the
+    ``LOCK_TIMEOUT_S``), then ``KVLockTimeout`` is raised: a stuck or slow process sharing the
     directory must not stall every request of this one (the save is skipped and reported, the
     request goes on without it).
     """
@@ -251,7 +245,7 @@ def directory_lock(directory: str | os.PathLike, timeout: float | None = None) -
         yield False
         return
     try:
-        wait = lock_timeout() if timeout is None else timeout
+        wait = timeout
         deadline = time.monotonic() + wait
         delay = 0.005
         while True:

@@ -98,14 +98,14 @@ class MTPDrafter(RowDrafter):
         H, _ = head.run(self.target, self.tokens[q0: q0 + r], h, window, q0, logits=False)
         self.window, self.state_hc, self.end = window, H, q0 + r
 
-def load_mtp_drafter(path, target, checkpoint=None, backend: str | None = None) -> MTPDrafter:
+def load_mtp_drafter(path, target, checkpoint=None) -> MTPDrafter:
     """An ``MTPDrafter`` for ``target`` (a loaded ``Model``) from the drafter GGUF at ``path``
     (``model.drafter_loader.load_drafter``: validated, refused with a DrafterError when it does not
     belong to the target; ``checkpoint``: the target's, as the engine decided it)."""
     from ds4_mlx.errors import DrafterError
     from ds4_mlx.model.drafter_loader import load_drafter
 
-    head = load_drafter(path, target, checkpoint, backend)
+    head = load_drafter(path, target, checkpoint)
     if not isinstance(head, MTPHead):
         head.close()
         raise DrafterError(f"{path}: a DSpark drafter, not an MTP head (engine.dspark_drafter runs it)")

@@ -353,8 +353,8 @@ def decode(src, cfg: ModelConfig, *, model_id: bytes, ctx: int, chunk: int,
         raise fail(f"saved with prefill chunk {saved_chunk}, this session uses {chunk}", 76)
     if n > saved_ctx or n >= ctx:
         raise fail(f"token count {n} does not fit (saved ctx {saved_ctx}, this session's ctx {ctx})", 80)
-    numerics = {v: k for k, v in NUMERICS_CODES.items()}.get(numerics_code)
-    if numerics is None:
+    saved_numerics = {v: k for k, v in NUMERICS_CODES.items()}.get(numerics_code)
+    if saved_numerics is None:
         raise fail(f"unknown numerics code {numerics_code}", 84)
     specs = expected_arrays(cfg, n)
     if n_records != len(specs):
@@ -415,5 +415,6 @@ def decode(src, cfg: ModelConfig, *, model_id: bytes, ctx: int, chunk: int,
     _check_finite(logits, "logits", logits_off)
     for key, a in arrays.items():
         _check_finite(a, f"state array {key}", data_offsets[key])
-    return Payload(bytes(saved_id), saved_ctx, saved_chunk, numerics, [int(t) for t in tokens], logits, arrays)
+    return Payload(bytes(saved_id), saved_ctx, saved_chunk, saved_numerics, [int(t) for t in tokens], logits,
+                   arrays)
 

@@ -74,10 +74,14 @@ def version_text() -> str:
     from ds4_mlx import __version__, blas
     from ds4_mlx.model import load_plan
 
-    lp = load_plan.resolve()
+    try:
+        lp = load_plan.resolve()
+        backend, plan = lp.backend, lp.describe()
+    except Ds4Error as exc:  # a bad DS4_MLX_* variable: --version still answers, and names it
+        backend, plan = load_plan.detect_backend(), f"load plan: error: {exc}"
     return (f"ds4-mlx {__version__}\n"
-            f"mlx {mx.__version__}, backend {lp.backend}, {blas.describe()}, Python {platform.python_version()}\n"
-            f"{lp.describe()}")
+            f"mlx {mx.__version__}, backend {backend}, {blas.describe()}, Python {platform.python_version()}\n"
+            f"{plan}")
 
 
 class _VersionAction(argparse.Action):

@@ -129,7 +129,7 @@ def run(args) -> int:
         raise UsageError(f"--prompt-file {args.prompt_file} has {len(tokens)} tokens, --ctx-max needs at least "
                             f"{n['ctx_max']}: use a longer text or a lower --ctx-max")
 
-    backend = bench.backend_name()
+    backend = bench.backend_name(engine)
     fronts = bench.frontiers(n["ctx_start"], n["ctx_step"], n["ctx_max"])
     csv_file = _open_csv(args.csv) if args.csv is not None else None
     print(f"ds4-mlx bench: {Path(args.model).name}, {backend}, numerics {args.numerics}; {len(tokens)} text tokens, "

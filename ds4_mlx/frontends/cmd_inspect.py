@@ -87,7 +87,7 @@ def run_plan(args: argparse.Namespace) -> int:
     """``inspect --plan``: the memory plan as a table (or ``--json``: its ``to_dict``)."""
     from ds4_mlx.formats.layout import load_model_file
     from ds4_mlx.model import load_plan
-    from ds4_mlx.model.loader import parse_numerics, plan_load
+    from ds4_mlx.model.loader import plan_load
 
     lp = load_plan.resolve(args.numerics, None, args.experts)  # what ``ds4_mlx.load`` would resolve here
     if args.experts_cache is not None and lp.experts != "device":
@@ -95,9 +95,8 @@ def run_plan(args: argparse.Namespace) -> int:
                          f"{lp.experts} (--experts {args.experts}): pass --experts device")
     f, cfg, _ = load_model_file(args.path)
     try:
-        plan, _ = plan_load(f, cfg, parse_numerics(args.numerics), lp.backend, lp.experts,
-                            experts_cache=args.experts_cache, ctx=args.ctx, simulate_memory=args.simulate_memory,
-                            kernels=lp.kernels)
+        plan, _ = plan_load(f, cfg, lp, experts_cache=args.experts_cache, ctx=args.ctx,
+                            simulate_memory=args.simulate_memory)
     finally:
         f.close()
     if args.json:

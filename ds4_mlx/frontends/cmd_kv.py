@@ -190,7 +190,9 @@ def run_prune(args: argparse.Namespace) -> int:
         raise KVStoreError(f"--budget-mb {args.budget_mb}: must be a number of MiB from 0 to "
                            f"{MAX_BUDGET_MB} (0 removes every file)")
     budget = int(args.budget_mb * MIB)
-    report = prune(args.dir, budget, scoring_options(args))
+    from ds4_mlx.model.load_plan import kv_lock_timeout
+
+    report = prune(args.dir, budget, scoring_options(args), lock_timeout=kv_lock_timeout())
     removed, temps, kept, total = (report.removed, report.temps_removed, report.kept_files,
                                    report.total_bytes)
     rc = 0 if report.within_budget else 1

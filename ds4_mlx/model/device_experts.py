@@ -9,10 +9,10 @@ Two strategies run the routed experts (``ds4_mlx.load(path, experts=...)``):
 * ``device`` (``DeviceExpertWeights`` here): every expert tensor's raw GGUF blocks are copied once, at
   load, into an MLX array [n_expert, out, row_bytes]. The top-k (``topk_lowest_id``) and hash routing
   (``mx.take`` on the tid2eid table) run as MLX ops, and the expert ids stay MLX arrays: they index the
-  blocks with ``mx.take`` and feed the Metal matvec kernel (Metal) or the MLX-ops twin (gather the k
-  blocks, dequantize them with ``mxfp4.expert_rows_mlx``, one batched matvec) everywhere else. A decode
-  step is then one graph with no host break (``DeviceRouting``: ``compiled_decode`` traces the whole
-  layer, ``Block.__call__``).
+  blocks with ``mx.take`` and feed the matvec kernel of the load plan's dialect (Metal or CUDA) or,
+  without one, the MLX-ops twin (gather the k blocks, dequantize them with ``mxfp4.expert_rows_mlx``,
+  one batched matvec). A decode step is then one graph with no host break (``DeviceRouting``:
+  ``compiled_decode`` traces the whole layer, ``Block.__call__``).
 
 Cost of ``device``: the expert bytes are resident in MLX memory (on top of the mmap's page cache), i.e.
 the GGUF's routed-expert bytes, ``expert_bytes_resident``: ~80 GiB for DS4 Flash's 2-bit file, all of
@@ -20,7 +20,7 @@ the tiny test model's ~10 MiB. On a GPU that is the price of having the weights 
 runs; on MLX's CPU backend it buys little (host and device share one memory and one set of cores, a
 host round trip costs microseconds) and doubles the expert memory, and the twin dequantizes the k
 selected experts on every step where the host strategy's LRU keeps them dequantized. So ``auto``
-picks ``device`` on a GPU backend (Metal, CUDA) and ``host`` on the CPU.
+picks ``device`` on a GPU backend (Metal, CUDA) and ``host`` on the CPU (``load_plan.resolve`` decides).
 
 Numerics. DEFAULT: float activations times the dequantized blocks (the host path's arithmetic; the
 batched matvec may round its dot products differently in the last bits). DS4_CPU: the ids come from the
@@ -42,27 +42,12 @@ from ds4_mlx.model import load_plan, metal_kernels, mxfp4
 from ds4_mlx.model.experts import ExpertWeights
 from ds4_mlx.model.host import to_host
 
-STRATEGIES = ("device", "host", "auto")
+STRATEGIES = load_plan.STRATEGIES  # the ``experts=`` choices; the plan resolves "auto"
 
 # Up to this many token-expert pairs a call gathers and dequantizes one block per pair on the device
 # (a decode step: k pairs). Beyond it (a prefill chunk), pairs are grouped by expert on the host so
 # each selected expert is dequantized once.
 DEVICE_MAX_PAIRS = 16
-
-
-def gpu_backend() -> str | None:
-    """"metal" or "cuda" when MLX's default device is a GPU of that backend, else None
-    (``load_plan.detect_backend``, the one detector)."""
-    found = load_plan.detect_backend()
-    return None if found == "cpu" else found
-
-
-def resolve_strategy(experts: str) -> str:
-    """"device" / "host" from the user's choice; ``auto`` = device on a GPU backend, host on the CPU.
-    Anything else is a ``LayoutError`` naming the value and the choices."""
-    if not isinstance(experts, str) or experts not in STRATEGIES:
-        raise LayoutError(f"unknown expert strategy {experts!r}; expected one of {list(STRATEGIES)}")
-    return load_plan.resolve(experts=experts, backend="cpu" if experts != "auto" else None).experts
 
 
 def topk_lowest_id(scores: mx.array, k: int) -> mx.array:
@@ -117,8 +102,8 @@ class DeviceExpertWeights(ExpertWeights):
     """``ExpertWeights`` whose raw blocks live in an MLX array and whose ``__call__`` takes expert ids as
     an MLX array without reading them on the host (see the module docstring)."""
 
-    def __init__(self, name, qtype, raw: np.ndarray, n_in: int, backend=None, use_kernels=None):
-        super().__init__(name, qtype, raw, n_in, backend, use_kernels)
+    def __init__(self, name, qtype, raw: np.ndarray, n_in: int, backend=None, use_kernels=None, **options):
+        super().__init__(name, qtype, raw, n_in, backend, use_kernels, **options)
         self.blocks = mx.array(np.ascontiguousarray(raw))  # [n_expert, out, row_bytes] uint8, a copy
         mx.eval(self.blocks)  # pay the copy at load, not inside the first decode step
 

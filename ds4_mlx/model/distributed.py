@@ -92,19 +92,14 @@ def phase_of(op: int, n_tokens: int) -> str:
 
 
 def join_timeout(timeout: float | None) -> float:
-    """``timeout``, else ``DS4_MLX_DIST_TIMEOUT``, else 120 s (a non-number is a one-line error)."""
-    if timeout is not None:
-        return float(timeout)
-    env = os.environ.get("DS4_MLX_DIST_TIMEOUT", "")
-    try:
-        return float(env) if env else DEFAULT_JOIN_TIMEOUT_S
-    except ValueError:
-        raise DistributedError(f"DS4_MLX_DIST_TIMEOUT={env!r} is not a number of seconds") from None
+    """``timeout`` (the loader passes its plan's: ``load(join_timeout=)`` or ``DS4_MLX_DIST_TIMEOUT``,
+    read and checked by ``load_plan``), else 120 s."""
+    return DEFAULT_JOIN_TIMEOUT_S if timeout is None else float(timeout)
 
 
 def join(timeout: float | None = None, mode: str = "pipeline", checks: Sequence[tuple[str, str]] = ()):
     """The distributed group of this process (``mx.distributed.init``), waiting at most
-    ``timeout`` seconds (default ``DS4_MLX_DIST_TIMEOUT`` or 120) for the other ranks; past it the
+    ``timeout`` seconds (default 120; a load passes its plan's) for the other ranks; past it the
     process ends with a one-line message. Raises ``DistributedError`` when no launcher started it
     (the message names ``mode``).
 

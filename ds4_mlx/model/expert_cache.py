@@ -27,7 +27,8 @@ one expert tensor's blocks per call, and only the ``n_slots`` experts the chunk 
 are admitted (the warm-up preload: after a prompt the cache holds what it used most). The
 transient is the prefill working set: at most one expert tensor of one layer in raw blocks plus
 its construction copy (~2/3 of a layer's routed bytes), and DEFAULT numerics' dequantized groups
-(``experts.DENSE_GROUP_BYTES``, 512 MiB); no dequantized expert is kept (``ExpertCache(0)``).
+(``ExpertWeights.group_bytes``: the plan's ``DS4_MLX_EXPERT_GROUP_MB``, 512 MiB by default); no
+dequantized expert is kept (``ExpertCache(0)``).
 ds4 reserves two full layers for prefill; that is the slack stated for this working set
 (``prefill_reserve_nbytes``).
 
@@ -188,25 +189,25 @@ class CachedDeviceExpertWeights(DeviceExpertWeights):
     """A device expert tensor whose blocks live in its layer's slots (see the module docstring)."""
 
     def __init__(self, name, qtype, raw: np.ndarray, n_in: int, cache: LayerExpertCache, backend=None,
-                 use_kernels=None, source=None):
-        ExpertWeights.__init__(self, name, qtype, raw, n_in, backend, use_kernels)  # no full copy
+                 use_kernels=None, source=None, **options):
+        ExpertWeights.__init__(self, name, qtype, raw, n_in, backend, use_kernels, **options)  # no full copy
         # the GGUFFile ``raw`` maps: read slabs' pages are dropped from the resident set after the
         # copy (``GGUFFile.drop_pages``), so the process's RSS holds the slots, not the file
         self.source = source
         self.expert_cache = cache
         self.slots = cache.register(self)
         # no dequantized LRU: the budget bounds what stays in memory (a prefill chunk dequantizes
-        # its groups and drops them, ``experts.DENSE_GROUP_BYTES`` at a time)
+        # its groups and drops them, ``group_bytes`` at a time)
         self.cache = ExpertCache(0)
         self._plan: _Plan | None = None
 
     @classmethod
-    def from_gguf(cls, gguf_file, name: str, cache: LayerExpertCache, backend=None, use_kernels=None):
+    def from_gguf(cls, gguf_file, name: str, cache: LayerExpertCache, backend=None, use_kernels=None, **options):
         info = gguf_file.tensor(name)
         if len(info.shape) != 3:
             raise LayoutError(f"tensor {name!r}: expected a 3-D expert tensor, got shape {info.shape}")
         return cls(name, info.ggml_type, gguf_file.tensor_array(name), info.shape[2], cache, backend, use_kernels,
-                   source=gguf_file)
+                   source=gguf_file, **options)
 
     @property
     def blocks(self) -> mx.array:

@@ -15,7 +15,8 @@ use its own (fixed, batch-independent) summation order, so they differ from the 
 bits. The MLX-ops paths below stay as the reference twins and the fallback (``DS4_MLX_NATIVE=off``, no
 compiler, a subclass that reads its slabs from somewhere else than ``raw``).
 
-DEFAULT numerics: float activations x dequantized weights (MXFP4: ds4's values, ``mxfp4``). On Metal (``use_kernels``) the custom kernels of
+DEFAULT numerics: float activations x dequantized weights (MXFP4: ds4's values, ``mxfp4``). With a kernel
+dialect (``use_kernels``: "metal" / "cuda", the load plan's ``kernels``; default none) the custom kernels of
 ``metal_kernels`` read the raw blocks; otherwise the selected experts are dequantized with the MLX-ops
 dequantizers (``quants_mlx``, the kernels' twins) and kept in ``EXPERT_CACHE``, a byte-bounded LRU shared
 by all expert tensors, because on the CPU backend dequantization costs far more than the matmuls.
@@ -43,7 +44,6 @@ does), and per 256-element super-block i, with integer sums exact:
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 from collections import OrderedDict
 
@@ -56,7 +56,7 @@ from ds4_mlx.formats.iq2xxs_tables import grid_bytes, sign_bits
 from ds4_mlx.formats.quants import SIGNED_GRID_WORDS
 from ds4_mlx.formats.quants_mlx import quantize_q8_k_activation_mlx
 from ds4_mlx import native
-from ds4_mlx.model import metal_kernels, mxfp4
+from ds4_mlx.model import load_plan, metal_kernels, mxfp4
 from ds4_mlx.model.host import to_host
 from ds4_mlx.model.linear import Backend, resolve_backend
 from ds4_mlx.model.ops import DS4_CHUNK_ELEMENTS, chunks
@@ -133,7 +133,8 @@ class ExpertCache:
     Only the DEFAULT MLX-ops path uses it (the Metal kernels read raw blocks, DS4_CPU re-reads them): on the
     CPU backend, dequantizing the selected experts costs far more than the matmuls, and a decode step of a
     small model revisits the same experts constantly. The budget is in bytes of float32 weights; 0
-    disables it. Default: ``DS4_MLX_EXPERT_CACHE_MB`` (MiB), else 1024 MiB.
+    disables it. ``EXPERT_CACHE`` starts at the default 1024 MiB; a load sizes it from its plan
+    (``configure``: ``DS4_MLX_EXPERT_CACHE_MB``, read by ``load_plan``).
 
     A pipeline rank (``model/pipeline.py``) runs only its own layers, so it only ever fills the cache
     with their experts; with the default budget it also gets only its share of it (``scale_default``).
@@ -170,6 +171,19 @@ class ExpertCache:
             _, dropped = self._items.popitem(last=False)
             self.nbytes -= dropped.nbytes
 
+    def planned_bytes(self, limit_bytes: int, explicit: bool) -> int:
+        """The budget ``configure(limit_bytes, explicit)`` leaves (before any ``scale_default``)."""
+        return int(limit_bytes) if explicit or not self.explicit else self.limit_bytes
+
+    def configure(self, limit_bytes: int, explicit: bool) -> None:
+        """Size the cache from a load's plan: ``explicit`` (the user's ``DS4_MLX_EXPERT_CACHE_MB``)
+        replaces any budget; the default replaces only a default one, so a program's ``set_limit``
+        stands. A default budget is the one ``scale_default`` scales from."""
+        if explicit or not self.explicit:
+            self.limit_bytes = self.default_bytes = int(limit_bytes)
+            self.explicit = bool(explicit)
+            self._shrink()
+
     def set_limit(self, limit_bytes: int) -> None:
         self.limit_bytes = int(limit_bytes)
         self.explicit = True
@@ -201,8 +215,8 @@ class ExpertCache:
         self.misses = 0
 
 
-EXPERT_CACHE = ExpertCache(int(float(os.environ.get("DS4_MLX_EXPERT_CACHE_MB", "1024")) * (1 << 20)),
-                           explicit="DS4_MLX_EXPERT_CACHE_MB" in os.environ)
+# one LRU per process, at the default budget until a load sizes it from its plan (``configure``)
+EXPERT_CACHE = ExpertCache(load_plan.EXPERT_CACHE_DEFAULT_MB * load_plan.MIB, explicit=False)
 
 
 class _LastHostInput(threading.local):
@@ -256,10 +270,12 @@ def routed_resident_nbytes(qtype: GGMLType | int, shape: tuple[int, int, int], *
     return resident + min(int(lru_bytes), 4 * n_expert * out_dim * n_in)
 
 
-# Dequantized float32 weights alive at once in one call of the CPU path. A 2048-token prefill chunk
-# selects every expert (256 x 32 MiB = 8 GiB per projection at the real dims) and MLX's lazy graph
-# would hold them all until the end of the call; evaluating group by group bounds the peak.
-DENSE_GROUP_BYTES = int(float(os.environ.get("DS4_MLX_EXPERT_GROUP_MB", "512")) * (1 << 20))
+# Dequantized float32 weights alive at once in one call of the CPU path (the default of an
+# ``ExpertWeights``' ``group_bytes``; a load passes its plan's, ``DS4_MLX_EXPERT_GROUP_MB``). A
+# 2048-token prefill chunk selects every expert (256 x 32 MiB = 8 GiB per projection at the real
+# dims) and MLX's lazy graph would hold them all until the end of the call; evaluating group by
+# group bounds the peak.
+DENSE_GROUP_BYTES = load_plan.EXPERT_GROUP_DEFAULT_MB * load_plan.MIB
 _instance_ids = itertools.count()
 
 
@@ -292,8 +308,9 @@ class ExpertWeights:
         raw: np.ndarray,
         n_in: int,
         backend: "Backend | str | None" = None,
-        use_kernels: bool | None = None,
+        use_kernels: bool | str | None = None,
         native: bool | None = None,
+        group_bytes: int = DENSE_GROUP_BYTES,
     ):
         qtype = GGMLType(qtype)
         if qtype not in self.SUPPORTED_TYPES:
@@ -310,11 +327,12 @@ class ExpertWeights:
         self.shape = (int(raw.shape[0]), int(raw.shape[1]), int(n_in))
         self.backend = resolve_backend(backend)
         # ``use_kernels``: a dialect ("metal" / "cuda", the load plan's ``kernels``), True (the
-        # backend's own), False/None-on-the-CPU (the MLX-ops twins / dequantized experts)
+        # backend's own, Metal's on the CPU backend), None/False (the default: the MLX-ops twins /
+        # dequantized experts). Nothing here asks the machine: the loader passes its plan's.
         if use_kernels is None:
-            use_kernels = self.backend.gpu and self.backend.value in metal_kernels.available_dialects()
+            use_kernels = False
         if use_kernels is True:
-            use_kernels = self.backend.value if self.backend.gpu else "metal"
+            use_kernels = load_plan.kernel_dialect(self.backend.value) or "metal"
         if use_kernels not in (False, *metal_kernels.DIALECTS):
             raise LayoutError(f"tensor {name!r}: use_kernels={use_kernels!r}; expected a bool or one of "
                               f"{list(metal_kernels.DIALECTS)}")
@@ -322,17 +340,22 @@ class ExpertWeights:
         self.use_kernels = bool(use_kernels)
         # None: the native library when it builds (decided at the first host call), False: the MLX path
         self.native = native
+        if not isinstance(group_bytes, int) or group_bytes < 1:
+            raise LayoutError(f"tensor {name!r}: group_bytes={group_bytes!r}; expected an integer >= 1")
+        self.group_bytes = group_bytes  # float32 experts dequantized at once (``_dense_pairs``)
         self.cache = EXPERT_CACHE
         self._key = next(_instance_ids)
         self.reset_counters()
 
     @classmethod
     def from_gguf(cls, gguf_file, name: str, backend: "Backend | str | None" = None,
-                  use_kernels: bool | None = None) -> "ExpertWeights":
+                  use_kernels: bool | str | None = None, **options) -> "ExpertWeights":
+        """The GGUF tensor ``name``; ``options``: the constructor's other keywords (``group_bytes``)."""
         info = gguf_file.tensor(name)
         if len(info.shape) != 3:
             raise LayoutError(f"tensor {name!r}: expected a 3-D expert tensor, got shape {info.shape}")
-        return cls(name, info.ggml_type, gguf_file.tensor_array(name), info.shape[2], backend, use_kernels)
+        return cls(name, info.ggml_type, gguf_file.tensor_array(name), info.shape[2], backend, use_kernels,
+                   **options)
 
     @property
     def expert_nbytes(self) -> int:
@@ -450,14 +473,14 @@ class ExpertWeights:
 
     def _dense_pairs(self, uniq: np.ndarray, x_rows: mx.array, slot: np.ndarray, rows: np.ndarray,
                      src: mx.array) -> mx.array:
-        """``expert_matmul_dense`` over groups of experts holding at most DENSE_GROUP_BYTES of float32
+        """``expert_matmul_dense`` over groups of experts holding at most ``group_bytes`` of float32
         weights each, evaluated one group at a time. Every expert still sees exactly its own pairs in
         the same order, so the GEMMs (and the bits) are those of the ungrouped call."""
         lib = self._native_lib()
         if lib is not None:
             return self._native_pairs(lib, uniq, x_rows, slot, rows, ds4=False, src=src)
         per_expert = self.shape[1] * self.shape[2] * 4
-        group = max(1, DENSE_GROUP_BYTES // per_expert)
+        group = max(1, self.group_bytes // per_expert)
         if uniq.size <= group and uniq.size == slot.size:
             # One pair per expert (a decode step: one token's k distinct experts): the same
             # [1, in] x [in, out] products as expert_matmul_dense, made in pair order, so no gather

@@ -14,12 +14,14 @@ neither: it calls ``ops.linear(w, x)`` / ``ops.experts(e, x, ids)`` on the ``Ops
 (``ops.py``), which picks one; nothing here takes or tests a mode.
 
 Additions to that contract (all optional): ``backend=`` on both constructors (below); ``use_kernels=``
-(DenseWeight: opt-in raw-block Q8_0 kernel on Metal; ExpertWeights: default on when Metal is available);
+(DenseWeight: opt-in raw-block Q8_0 kernel on a GPU; ExpertWeights: the kernel dialect, default none);
 ``w.shape``/``w.qtype``/``w.nbytes``; ``e.shape``/``e.expert_nbytes`` and the counters ``e.bytes_read``,
 ``e.bytes_selected``, ``e.calls``, ``e.pairs``, ``e.reset_counters()``; ``experts.EXPERT_CACHE``.
 
 ``backend`` (``Backend.CPU`` / ``METAL`` / ``CUDA``; the loader passes its ``load_plan``'s; default
-``default_backend()``, the plan's one detector) decides how weights are kept for the DEFAULT mode:
+CPU: nothing here detects the device, and the CPU forms are right on any device) decides how weights
+are kept for the DEFAULT mode, through ``load_plan.dense_form`` (the one place that decides; a weight
+holds the ``form`` it names and multiplies by it):
 
 * CPU: every dense weight is dequantized to float32 once, lazily, and cached, transposed (``dense_t``). MLX's CPU backend has
   exactly one fast matmul, the BLAS float32 GEMM; ``mx.quantized_matmul`` there is ~2x slower for one
@@ -65,7 +67,6 @@ from ds4_mlx.model.ops import DS4_CHUNK_ELEMENTS, chunks
 __all__ = [
     "Backend",
     "DenseWeight",
-    "default_backend",
     "dense_resident_nbytes",
     "dense_ds4_cpu_resident_nbytes",
     "q8_0_to_affine",
@@ -87,17 +88,10 @@ class Backend(str, Enum):
         return self is not Backend.CPU
 
 
-def default_backend() -> Backend:
-    """The machine's backend (``load_plan.detect_backend``, the one detector); the loader passes its
-    plan's backend explicitly, so this serves direct constructions only."""
-    return Backend(load_plan.detect_backend())
-
-
 def resolve_backend(backend: "Backend | str | None") -> Backend:
-    """``None`` -> ``default_backend()``; a name or member -> that member (ValueError if unknown)."""
-    if backend is None:
-        return default_backend()
-    return Backend(backend)
+    """A name or member -> that member (ValueError if unknown); ``None`` -> ``Backend.CPU``: a weight
+    built without the loader's plan takes the CPU forms (nothing below the loader reads the device)."""
+    return Backend(backend or "cpu")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -169,18 +163,14 @@ def dense_resident_nbytes(qtype: GGMLType | int, shape: tuple[int, int], backend
     (float32), an F16 one 2x. ``tests/test_pipeline_split.py`` builds every form and compares its
     ``nbytes`` with this figure, so the two cannot drift apart silently.
     """
-    qtype = GGMLType(qtype)
     out_dim, n_in = (int(shape[0]), int(shape[1]))
     elems = out_dim * n_in
     nb = n_in // QK8_0
-    gpu = resolve_backend(backend).gpu
-    if gpu and qtype == GGMLType.Q8_0:
-        if use_kernels:  # ``blocks``: the raw GGUF rows
-            return nb * 34 * out_dim
-        return elems + 2 * 4 * nb * out_dim  # ``affine``: 8-bit codes, float32 scales and biases
-    if gpu and qtype == GGMLType.F16:
-        return 2 * elems  # ``half``: the GGUF's float16 values
-    return 4 * elems  # ``dense_t`` (or ``dense`` for a weight used by row slices): float32
+    form = load_plan.dense_form(resolve_backend(backend).value, qtype, use_kernels)
+    return {"blocks": nb * 34 * out_dim,  # the raw GGUF rows
+            "affine": elems + 2 * 4 * nb * out_dim,  # 8-bit codes, float32 scales and biases
+            "half": 2 * elems,  # the GGUF's float16 values
+            "float32": 4 * elems}[form]  # ``dense_t`` (or ``dense`` for a weight used by row slices)
 
 
 def dense_ds4_cpu_resident_nbytes(qtype: GGMLType | int, shape: tuple[int, int]) -> int:
@@ -228,8 +218,11 @@ class DenseWeight:
         self.raw = raw
         self.shape = (int(raw.shape[0]), int(n_in))
         self.backend = resolve_backend(backend) if _parent is None else _parent.backend
-        # opt-in: on Metal, multiply Q8_0 with the raw-block kernel instead of mx.quantized_matmul
+        # opt-in: on a GPU, multiply Q8_0 with the raw-block kernel instead of mx.quantized_matmul
         self.use_kernels = bool(use_kernels) if _parent is None else _parent.use_kernels
+        # the cached form DEFAULT numerics build and multiply, decided by the plan's rule
+        self.form = (load_plan.dense_form(self.backend.value, qtype, self.use_kernels) if _parent is None
+                     else _parent.form)
         self._parent = _parent
         self._row0 = _row0
         self._dense: mx.array | None = None
@@ -433,7 +426,7 @@ class DenseWeight:
         if n_in != self.shape[1] or self.shape[0] % G:
             raise LayoutError(f"tensor {self.name!r}: grouped input of shape {tuple(x.shape)} does not fit "
                               f"{self.shape[0]} rows of {self.shape[1]}")
-        if self.backend is not Backend.CPU or self._parent is not None:
+        if self.form != "float32" or self._parent is not None:
             return mx.concatenate([g(x[:, i]) for i, g in enumerate(self.groups(G))], axis=-1)
         rows = self.shape[0] // G
         w3 = self.dense().reshape(G, rows, n_in).transpose(0, 2, 1)  # a view: [G, in, rows]
@@ -466,13 +459,13 @@ class DenseWeight:
         return matmul(x2).reshape(*lead, out_dim)
 
     def _fast_matmul(self, x2: mx.array) -> mx.array:
-        if self.backend.gpu and self.qtype == GGMLType.Q8_0 and self.use_kernels:
+        if self.form == "blocks":
             return metal_kernels.q8_0_matvec_kernel(self.blocks(), x2, dialect=self.backend.value)
-        if self.backend.gpu and self.qtype == GGMLType.F16:
+        if self.form == "half":
             # float32 x float16 promotes the weight to float32 exactly (f16 -> f32 is exact): the
             # float32 form's bits, from half its resident bytes
             return mx.matmul(x2, self.half().T)
-        if self.backend.gpu and self.qtype == GGMLType.Q8_0:
+        if self.form == "affine":
             wq, scales, biases = self.affine()
             return mx.quantized_matmul(x2, wq, scales, biases, transpose=True, group_size=QK8_0, bits=8)
         if self._parent is not None:

@@ -7,6 +7,8 @@ F16 mmap view gathered row by row.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 
 import mlx.core as mx
@@ -21,7 +23,7 @@ from ds4_mlx.formats.layout import load_model_file
 from ds4_mlx.model.attention import Attention
 from ds4_mlx.model.compiled_decode import CompiledDecoder, probe_compiler
 from ds4_mlx.model.compressor import Compressor
-from ds4_mlx.model.device_experts import DEVICE_ROUTING, DeviceExpertWeights, resolve_strategy
+from ds4_mlx.model.device_experts import DEVICE_ROUTING, DeviceExpertWeights
 from ds4_mlx.model.expert_budget import parse_experts_cache, plan_cache
 from ds4_mlx.model.expert_cache import CachedDeviceExpertWeights, ExpertCacheSet, check_policy
 from ds4_mlx.model.expert_cache_policy import DEFAULT_POLICY
@@ -29,9 +31,10 @@ from ds4_mlx.model.experts import EXPERT_CACHE, ExpertWeights, routed_resident_n
 from ds4_mlx.model.host_step import HOST_ROUTING, HostStepDecoder
 from ds4_mlx.model.hyper_connection import HyperConnection, OutputHC
 from ds4_mlx.model.indexer import Indexer
-from ds4_mlx.model.linear import Backend, DenseWeight, resolve_backend
+from ds4_mlx.model.linear import DenseWeight
 from ds4_mlx.model.moe import MoE
 from ds4_mlx.model import distributed as dist, expert_parallel, load_plan, memory_plan, pipeline
+from ds4_mlx.model.load_plan import LoadPlan
 from ds4_mlx.model.ops import DefaultOps, Numerics, ops_for
 from ds4_mlx.model.rope import Rope
 from ds4_mlx.model.transformer import Block, Model
@@ -72,22 +75,24 @@ def tensor_kind(name: str) -> str:
 
 
 class _Weights:
-    """Name-checked access to the GGUF tensors; ``kinds`` records how each was taken."""
+    """Name-checked access to the GGUF tensors, built as the load plan ``lp`` says (its backend's
+    dense forms, its expert strategy, kernel dialect and expert group size: passed to every weight
+    explicitly); ``kinds`` records how each was taken."""
 
-    def __init__(self, f: GGUFFile, backend: str | None = None, experts: str = "host",
-                 owned: range | None = None, caches: ExpertCacheSet | None = None, kernels: str | None = None):
+    def __init__(self, f: GGUFFile, lp: LoadPlan, owned: range | None = None,
+                 caches: ExpertCacheSet | None = None):
         self.f = f
+        self.plan = lp
         self.caches = caches  # a bounded device expert cache (``expert_cache``): slots per layer
-        self.backend = backend
-        self.kw = {} if backend is None else {"backend": backend}
-        # the routed experts' kernel dialect, the load plan's ``kernels`` (None: decided by the backend)
-        self.ekw = self.kw if kernels is None else {**self.kw, "use_kernels": kernels}
-        self.strategy = experts
-        self.expert_cls = DeviceExpertWeights if experts == "device" else ExpertWeights
+        self.kw = {"backend": lp.backend}
+        self.ekw = {"backend": lp.backend, "use_kernels": lp.kernels or False,
+                    "group_bytes": lp.expert_group_bytes}
+        self.strategy = lp.experts
+        self.expert_cls = DeviceExpertWeights if lp.experts == "device" else ExpertWeights
         # Where the MoEs choose their experts, and the decode step that follows from it: on the device
         # when every expert is resident (the whole layer compiles), on the host otherwise (the host
         # strategy; a bounded cache, whose misses are read from the file).
-        on_device = experts == "device" and caches is None
+        on_device = lp.experts == "device" and caches is None
         self.routing = DEVICE_ROUTING if on_device else HOST_ROUTING
         self.decoder = CompiledDecoder if on_device else HostStepDecoder
         self.owned = owned  # an expert-parallel rank's routed experts (None: all of them)
@@ -109,7 +114,8 @@ class _Weights:
         try:
             if kind == "dense":
                 w = DenseWeight.from_gguf(self.f, name, rows=rows, **self.kw)
-                if name == pipeline.HEAD and host_head(numerics, self.strategy, self.backend, w.qtype):
+                if name == pipeline.HEAD and host_head(dataclasses.replace(self.plan, numerics=numerics.value),
+                                                       w.qtype):
                     # no cached form, but the whole matrix is read every token: its pages stay mapped
                     return w.nbytes
                 return w.ds4_cpu_resident_nbytes() if numerics is Numerics.DS4_CPU else w.resident_nbytes()
@@ -150,8 +156,10 @@ class _Weights:
             raise LayoutError(f"{self.f.path}: tensor {name!r} is missing")
         self.kinds[name] = "experts"
         if self.owned is not None:
-            return expert_parallel.OwnedExperts.from_gguf(self.expert_cls, self.f, name, self.owned, self.backend,
-                                                          self.ekw.get("use_kernels"))
+            # the group size rides on the class: ``OwnedExperts`` passes backend and kernels only
+            cls = functools.partial(self.expert_cls, group_bytes=self.ekw["group_bytes"])
+            return expert_parallel.OwnedExperts.from_gguf(cls, self.f, name, self.owned, self.plan.backend,
+                                                          self.ekw["use_kernels"])
         if self.caches is not None:
             layer = self.caches.layer(int(name.split(".")[1]))
             return CachedDeviceExpertWeights.from_gguf(self.f, name, layer, **self.ekw)
@@ -224,23 +232,22 @@ def _block(cfg: ModelConfig, w: _Weights, il: int, ops: DefaultOps, gather=None,
     return Block(il, hc("attn"), attn, hc("ffn"), ffn)
 
 
-def host_head(numerics: str | Numerics, strategy: str, backend: str | None, qtype: GGMLType | int) -> bool:
+def host_head(lp: LoadPlan, qtype: GGMLType | int) -> bool:
     """Whether the output matrix is multiplied on the host by the native library, from its Q8_0 blocks
     (``DenseWeight.host_product``; ``Model.host_head``) instead of by MLX as float32: DEFAULT numerics
-    with the host expert strategy on MLX's CPU, a Q8_0 head and the native library built
-    (``DS4_MLX_NATIVE=off`` keeps MLX's). ds4-cpu numerics keep their exact arithmetic, a GPU its own
-    matmul (the logits stay on the device there)."""
-    return (parse_numerics(numerics) is Numerics.DEFAULT and strategy == "host"
-            and GGMLType(qtype) == GGMLType.Q8_0 and resolve_backend(backend) is Backend.CPU
-            and mx.default_device().type == mx.DeviceType.cpu and native.library() is not None)
+    with the host expert strategy where the plan runs the native host products (MLX's CPU backend,
+    ``DS4_MLX_NATIVE`` not off), a Q8_0 head and the native library built. ds4-cpu numerics keep
+    their exact arithmetic, a GPU its own matmul (the logits stay on the device there)."""
+    return (parse_numerics(lp.numerics) is Numerics.DEFAULT and lp.experts == "host"
+            and GGMLType(qtype) == GGMLType.Q8_0 and lp.native and native.library() is not None)
 
 
-def _lru_budget(strategy: str) -> int:
-    """The expert LRU's budget a load may fill (``EXPERT_CACHE``): the explicit limit or the
-    default one; 0 for the host strategy with the native library, whose products read the blocks
-    in place, so the LRU never fills (``ds4_mlx.native``)."""
-    budget = EXPERT_CACHE.limit_bytes if EXPERT_CACHE.explicit else EXPERT_CACHE.default_bytes
-    return 0 if strategy == "host" and native.library() is not None else budget
+def _lru_budget(lp: LoadPlan) -> int:
+    """The expert LRU's budget a load with plan ``lp`` may fill (``EXPERT_CACHE`` once sized by it,
+    ``ExpertCache.planned_bytes``); 0 for the host strategy with the native library, whose products
+    read the blocks in place, so the LRU never fills (``ds4_mlx.native``)."""
+    budget = EXPERT_CACHE.planned_bytes(lp.expert_cache_bytes, lp.expert_cache_explicit)
+    return 0 if lp.experts == "host" and native.library() is not None else budget
 
 
 def _routed_names(f: GGUFFile, cfg: ModelConfig) -> dict[str, int]:
@@ -250,17 +257,15 @@ def _routed_names(f: GGUFFile, cfg: ModelConfig) -> dict[str, int]:
             if (n := f"blk.{il}.ffn_{part}_exps.weight") in f.tensors}
 
 
-def weight_bytes(f: GGUFFile, cfg: ModelConfig, numerics: str | Numerics = "default", backend: str | None = None,
-                 strategy: str = "host", *, kernels: str | None = None) -> memory_plan.WeightBytes:
-    """What the weights of a one-process load will hold (``memory_plan.WeightBytes``), from the
-    tensor directory only (nothing of the data is read): each tensor's ``_Weights.resident_nbytes``,
-    grouped by form, the routed experts' raw blocks and LRU share apart. The LRU budget is spread
-    over the expert tensors as ``resident_split`` spreads it. ``kernels``: the load plan's dialect."""
-    mode = parse_numerics(numerics)
-    strategy = resolve_strategy(strategy)
-    w = _Weights(f, backend, strategy, kernels=kernels)
+def weight_bytes(f: GGUFFile, cfg: ModelConfig, lp: LoadPlan) -> memory_plan.WeightBytes:
+    """What the weights of a one-process load with plan ``lp`` will hold (``memory_plan.WeightBytes``),
+    from the tensor directory only (nothing of the data is read): each tensor's
+    ``_Weights.resident_nbytes``, grouped by form, the routed experts' raw blocks and LRU share apart.
+    The LRU budget is spread over the expert tensors as ``resident_split`` spreads it."""
+    mode = parse_numerics(lp.numerics)
+    w = _Weights(f, lp)
     routed = _routed_names(f, cfg)
-    total, budget = sum(routed.values()), _lru_budget(strategy)
+    total, budget = sum(routed.values()), _lru_budget(lp)
     forms: dict[str, list[int]] = {}
     experts_resident = expert_lru = 0
     per_layer = [0] * cfg.n_layer
@@ -291,30 +296,26 @@ def weight_bytes(f: GGUFFile, cfg: ModelConfig, numerics: str | Numerics = "defa
         entry[1] += int(info.nbytes)
         entry[2] += nbytes
     dense = tuple(memory_plan.DenseForm(label, *entry) for label, entry in forms.items())
-    return memory_plan.WeightBytes(strategy, mode.value, resolve_backend(backend).value, dense,
+    return memory_plan.WeightBytes(lp.experts, mode.value, lp.backend, dense,
                                    total, experts_resident, expert_lru, max(per_layer, default=0))
 
 
-def plan_memory(f: GGUFFile, cfg: ModelConfig, numerics: str | Numerics = "default", backend: str | None = None,
-                strategy: str = "auto", *, ctx: int | None = None, simulate_memory: float | None = None,
-                experts_cache_bytes: int | None = None, kernels: str | None = None) -> memory_plan.MemoryPlan:
-    """The memory plan of loading ``f`` with these options (``model.memory_plan``), against this
+def plan_memory(f: GGUFFile, cfg: ModelConfig, lp: LoadPlan, *, ctx: int | None = None,
+                simulate_memory: float | None = None,
+                experts_cache_bytes: int | None = None) -> memory_plan.MemoryPlan:
+    """The memory plan of loading ``f`` with plan ``lp`` (``model.memory_plan``), against this
     machine (or a simulated one of ``simulate_memory`` GiB). ``ctx``: the sessions' context (None:
     ``DEFAULT_CTX`` capped at the model's, the default a session gets)."""
-    mode = parse_numerics(numerics)
-    strategy = resolve_strategy(strategy)
-    gpu = resolve_backend(backend).gpu  # MLX's buffers on a GPU
     machine = (memory_plan.simulated_machine(simulate_memory) if simulate_memory is not None
-               else memory_plan.read_machine(gpu=gpu))
-    weights = weight_bytes(f, cfg, mode, backend, strategy, kernels=kernels)
-    host = weights if strategy == "host" else weight_bytes(f, cfg, mode, backend, "host", kernels=kernels)
+               else memory_plan.read_machine(gpu=lp.gpu))  # MLX's buffers on a GPU
+    weights = weight_bytes(f, cfg, lp)
+    host = weights if lp.experts == "host" else weight_bytes(f, cfg, dataclasses.replace(lp, experts="host"))
     ctx = min(DEFAULT_CTX, cfg.context_length) if ctx is None else ctx
     return memory_plan.plan(cfg, weights, ctx=ctx, machine=machine, experts_cache_bytes=experts_cache_bytes,
                             host=host, name=os.path.basename(f.path))
 
 
-def resident_split(f: GGUFFile, cfg: ModelConfig, n_ranks: int, numerics: str | Numerics = "default",
-                   backend: str | None = None, strategy: str = "host") -> pipeline.PipelineSplit:
+def resident_split(f: GGUFFile, cfg: ModelConfig, n_ranks: int, lp: LoadPlan) -> pipeline.PipelineSplit:
     """The pipeline's split for ``n_ranks`` (layer ranges and the output head's rows shared by rank 0
     and the last rank): ``pipeline.tensor_split`` over what each tensor will hold in memory
     (``_Weights.resident_nbytes``, the head by its rows), not its GGUF bytes. On MLX's CPU backend a
@@ -327,13 +328,13 @@ def resident_split(f: GGUFFile, cfg: ModelConfig, n_ranks: int, numerics: str | 
     rank may hold all of it; spread the same way it still weighs each layer alike). Every input is
     the file, the options and the environment the launcher gives every rank, so all ranks compute
     the same split; the loader still has every rank take rank 0's (``distributed.rank0s``), since
-    the environment can differ by host (a compiler for the native experts, the backend)."""
-    mode = parse_numerics(numerics)
-    strategy = resolve_strategy(strategy)
-    w = _Weights(f, backend, strategy)
+    the environment can differ by host (a compiler for the native experts, the backend).
+    ``lp``: the load plan (numerics, backend, strategy, the LRU budget)."""
+    mode = parse_numerics(lp.numerics)
+    w = _Weights(f, lp)
     routed = _routed_names(f, cfg)
     total = sum(routed.values())
-    budget = _lru_budget(strategy)
+    budget = _lru_budget(lp)
 
     def nbytes(name: str, rows: range | None = None) -> int:
         lru = budget * routed[name] // total if name in routed else 0
@@ -367,23 +368,21 @@ def _expert_caches(f: GGUFFile, cfg: ModelConfig, experts_cache, policy: str | N
     return caches, cache_plan.cache_nbytes + cache_plan.prefill_reserve_nbytes
 
 
-def plan_load(f: GGUFFile, cfg: ModelConfig, mode: Numerics, backend: str | None, strategy: str, *,
+def plan_load(f: GGUFFile, cfg: ModelConfig, lp: LoadPlan, *,
               experts_cache=None, experts_cache_policy: str | None = None, ctx: int | None = None,
-              simulate_memory: float | None = None, kernels: str | None = None):
+              simulate_memory: float | None = None):
     """The memory plan ``load`` goes by and the bounded expert cache it builds (or None): with
     ``experts_cache`` the user's budget; without, for the device strategy, every expert resident
     when they fit, else the largest bounded cache that fits beside the dense weights, the KV at
     ctx and the scratch (``memory_plan.default_experts_cache_bytes``; a ``MemoryPlanError`` when
-    even the smallest does not). ``inspect --plan`` prints this same plan. ``kernels``: the load
-    plan's dialect, so the estimate takes the forms that will be built."""
+    even the smallest does not). ``inspect --plan`` prints this same plan. ``lp``: the load plan, so
+    the estimate takes the forms that will be built."""
     caches, cache_bytes = _expert_caches(f, cfg, experts_cache, experts_cache_policy)
-    plan = plan_memory(f, cfg, mode, backend, strategy, ctx=ctx, simulate_memory=simulate_memory,
-                       experts_cache_bytes=cache_bytes, kernels=kernels)
-    if experts_cache is None and resolve_strategy(strategy) == "device" and plan.fits is False:
+    plan = plan_memory(f, cfg, lp, ctx=ctx, simulate_memory=simulate_memory, experts_cache_bytes=cache_bytes)
+    if experts_cache is None and lp.experts == "device" and plan.fits is False:
         auto = memory_plan.default_experts_cache_bytes(plan)
         caches, cache_bytes = _expert_caches(f, cfg, auto, experts_cache_policy)
-        plan = plan_memory(f, cfg, mode, backend, strategy, ctx=ctx, simulate_memory=simulate_memory,
-                           experts_cache_bytes=cache_bytes, kernels=kernels)
+        plan = plan_memory(f, cfg, lp, ctx=ctx, simulate_memory=simulate_memory, experts_cache_bytes=cache_bytes)
     return plan, caches
 
 
@@ -421,9 +420,10 @@ def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend:
     ``memory_plan``. A distributed rank holds only its share: it is not planned (yet).
     """
     mode = parse_numerics(numerics)
-    # the machine is read here, once; everything below gets the plan's explicit values
-    lp = load_plan.resolve(mode.value, backend, experts, distributed)  # bad values fail before the file opens
-    strategy, backend = lp.experts, lp.backend
+    # the machine and the environment are read here, once; everything below gets the plan's values
+    lp = load_plan.resolve(mode.value, backend, experts, distributed,  # bad values fail before the file opens
+                           join_timeout=join_timeout)
+    strategy = lp.experts
     if distributed is not None and distributed not in dist.MODES:
         raise LayoutError(f"unknown distributed mode {distributed!r}; expected one of {list(dist.MODES)}")
     bounded = parse_experts_cache(experts_cache) is not None  # bad values fail before the file is opened
@@ -444,24 +444,25 @@ def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend:
         caches = plan = None
         if distributed is None:
             # Before ``_build`` reads any weight: the plan reads the tensor directory only.
-            plan, caches = plan_load(f, cfg, mode, backend, strategy, experts_cache=experts_cache,
+            plan, caches = plan_load(f, cfg, lp, experts_cache=experts_cache,
                                      experts_cache_policy=experts_cache_policy, ctx=ctx,
-                                     simulate_memory=simulate_memory, kernels=lp.kernels)
+                                     simulate_memory=simulate_memory)
             plan.check()
+        EXPERT_CACHE.configure(lp.expert_cache_bytes, lp.expert_cache_explicit)  # sized by the plan
         if distributed is not None:
             size = f"{f.file_size / (1 << 20):,.0f} MiB" if f.file_size >= 1 << 20 else f"{f.file_size:,} bytes"
-            group = dist.join(join_timeout, distributed, [
+            group = dist.join(lp.join_timeout, distributed, [
                 ("model file", f"{os.path.basename(f.path)}, {size}, content {f.fingerprint()}"),
                 ("numerics", mode.value)])
             if distributed == "experts":
                 owned = expert_parallel.owners(cfg.n_expert, group.size())[group.rank()]
-                model = _build(f, cfg, mode, backend, strategy, group=group, experts=owned, kernels=lp.kernels)
+                model = _build(f, cfg, lp, group=group, experts=owned)
             else:
-                split = resident_split(f, cfg, group.size(), mode, backend, strategy)
+                split = resident_split(f, cfg, group.size(), lp)
                 split = pipeline.PipelineSplit.from_ints(dist.rank0s(group, split.to_ints()), cfg.n_vocab)
-                model = _build(f, cfg, mode, backend, strategy, group=group, split=split, kernels=lp.kernels)
+                model = _build(f, cfg, lp, group=group, split=split)
         else:
-            model = _build(f, cfg, mode, backend, strategy, caches=caches, kernels=lp.kernels)
+            model = _build(f, cfg, lp, caches=caches)
         model.memory_plan = plan
         model.load_plan = lp
         f.check_intact()  # truncated while loading: a clean error naming it, before any use
@@ -472,14 +473,13 @@ def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend:
         raise
 
 
-def _build(f: GGUFFile, cfg: ModelConfig, mode: Numerics, backend: str | None, strategy: str = "host",
-           group=None, split: pipeline.PipelineSplit | None = None, experts: range | None = None,
-           caches: ExpertCacheSet | None = None, kernels: str | None = None) -> Model:
+def _build(f: GGUFFile, cfg: ModelConfig, lp: LoadPlan, group=None, split: pipeline.PipelineSplit | None = None,
+           experts: range | None = None, caches: ExpertCacheSet | None = None) -> Model:
     """The whole model, or with ``group``: one pipeline rank's part of ``split`` (its layers only;
     the output mix and norm on the last rank, the head's rows split between rank 0 and the last
     rank), so the rank never builds, copies or reads the other layers or rows; or one
     expert-parallel rank's (all layers, only the routed ``experts`` it owns; the head on rank 0 only)."""
-    w = _Weights(f, backend, strategy, owned=experts, caches=caches, kernels=kernels)
+    w = _Weights(f, lp, owned=experts, caches=caches)
     emb_name = EMBEDDING
     if not w.has(emb_name):
         raise LayoutError(f"{f.path}: tensor {emb_name!r} is missing")
@@ -488,7 +488,7 @@ def _build(f: GGUFFile, cfg: ModelConfig, mode: Numerics, backend: str | None, s
     if embedding.dtype != np.float16 or embedding.shape != (cfg.n_vocab, cfg.n_embd):
         raise LayoutError(f"{f.path}: {emb_name} must be F16 of shape {(cfg.n_vocab, cfg.n_embd)}, "
                           f"found {embedding.dtype} {embedding.shape}")
-    ops = ops_for(mode)  # the numerics, bound once: every module gets this object
+    ops = ops_for(parse_numerics(lp.numerics))  # the numerics, bound once: every module gets this object
     own = range(cfg.n_layer) if split is None else split.layers[group.rank()]
     gather = None if experts is None else expert_parallel.RankGather(group)
     blocks = [_block(cfg, w, il, ops, gather) for il in own]
@@ -511,7 +511,7 @@ def _build(f: GGUFFile, cfg: ModelConfig, mode: Numerics, backend: str | None, s
         output = w.dense("output.weight", rows)
     parts = dict(embedding=embedding, blocks=blocks, output_hc=output_hc, output_norm=output_norm,
                  output=output, source=f, decoder=w.decoder,
-                 host_head=output is not None and host_head(mode, strategy, backend, output.qtype))
+                 host_head=output is not None and host_head(lp, output.qtype))
     model = Model(cfg, ops, **parts)
     model.expert_cache = caches
     # A distributed mode wraps this rank's model (composition: its stage runs these same blocks).
