@@ -64,12 +64,6 @@ DIST_CLASSES = ("PipelineModel", "DistributedModel", "ExpertParallel")
 # of #23 rewrite: removed by the forward-path refactor. Delete an entry when its hit goes (a stale
 # entry fails the test); add none.
 PENDING: dict[str, set[str]] = {
-    "engine/session.py": {"env:os.environ"},  # DS4_MLX_RESUME_PREFILL_MIN: to the plan's resume_prefill_min
-    "model/runner.py": {"env:os.environ"},  # DS4_MLX_COMPILE per session: Session takes the plan's compile
-    "model/compiled_decode.py": {"branch:compilable"},  # the host-step refactor (one forward)
-    "model/moe.py": {"branch:routes_on_device"},  # the host-step refactor (one forward)
-    "model/expert_parallel.py": {"branch:routes_on_device", "compare:backend"},  # distributed by composition
-    "model/distributed.py": {"env:os.environ"},  # MLX_RANK for join's timeout message: distributed by composition
 }
 
 

@@ -160,7 +160,7 @@ class Engine:
     @property
     def experts(self) -> str:
         """The routed-expert strategy the model was loaded with: "device" or "host"."""
-        return getattr(self.network, "expert_strategy", "host")
+        return self.network.expert_strategy
 
     @property
     def context_length(self) -> int:

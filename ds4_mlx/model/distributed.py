@@ -57,7 +57,7 @@ import mlx.core as mx
 import numpy as np
 
 from ds4_mlx.errors import DistributedError, InferenceError
-from ds4_mlx.model import join_watchdog
+from ds4_mlx.model import join_watchdog, load_plan
 from ds4_mlx.model.cache import LayerCache, ModelCache, capacity_for
 from ds4_mlx.model.host import to_host
 from ds4_mlx.model.transformer import Model  # noqa: F401  (the wrapped type, for the docs)
@@ -112,7 +112,7 @@ def join(timeout: float | None = None, mode: str = "pipeline", checks: Sequence[
     limit = join_timeout(timeout)
     if not (limit > 0 and math.isfinite(limit)):
         raise DistributedError(f"the join timeout must be a finite number of seconds > 0, got {limit:g}")
-    msg = (f"ds4-mlx: error: rank {os.environ.get('MLX_RANK', '?')}: the other ranks did not join within "
+    msg = (f"ds4-mlx: error: rank {load_plan.launcher_rank()}: the other ranks did not join within "
            f"{limit:g} s (is every host of the hostfile running the same command?)")
     dog = subprocess.Popen([sys.executable, "-I", join_watchdog.__file__, str(os.getpid()), str(limit), msg],
                            stdin=subprocess.PIPE)

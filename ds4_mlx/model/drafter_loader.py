@@ -10,7 +10,6 @@ DSpark stages likewise (``mtp.0.`` .. ``mtp.2.``), both run as the dense layer `
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 from ds4_mlx.errors import DrafterError
@@ -20,7 +19,6 @@ from ds4_mlx.formats.drafter_layout import (DSPARK_MARKOV_RANK, DSPARK_STAGES, M
                                             drafter_kind, dspark_params, validate_drafter_layout)
 from ds4_mlx.formats.gguf import GGUFFile
 from ds4_mlx.model.hyper_connection import OutputHC
-from ds4_mlx.model import load_plan
 from ds4_mlx.model.loader import _block, _Weights
 from ds4_mlx.model.dspark import DSparkHead, bf16_to_f32
 from ds4_mlx.model.mtp import MTP_LAYER, MTPHead
@@ -77,7 +75,7 @@ def load_drafter(path: str | os.PathLike, target, checkpoint=None) -> MTPHead | 
     """The drafter at ``path`` built for ``target`` (``open_drafter`` checks it): the preview's MTP
     head or 0731's DSpark stages and heads, its weights in the forms of the target's load plan (a
     target built without the loader: the CPU forms, as its own weights)."""
-    if getattr(target, "group", None) is not None or target.output is None or target.output_hc is None:
+    if not target.can_verify or target.output is None or target.output_hc is None:
         raise DrafterError("a drafter needs a single-process target model (it shares its embedding and "
                            "output matrix); a pipeline or expert-parallel rank cannot draft")
     cfg = target.config
@@ -87,8 +85,8 @@ def load_drafter(path: str | os.PathLike, target, checkpoint=None) -> MTPHead | 
     f, kind = open_drafter(path, target, checkpoint)
     try:
         ops = target.ops
-        lp = getattr(target, "load_plan", None) or load_plan.resolve(backend="cpu", experts=target.expert_strategy)
-        w = _Weights(f, dataclasses.replace(lp, experts=target.expert_strategy))
+        # the target's plan: the drafter's weights take its backend, forms, kernels and expert strategy
+        w = _Weights(f, target.load_plan)
         if kind is DrafterKind.DSPARK:
             head = _dspark_head(f, w, cfg, ops)
             f.check_intact()

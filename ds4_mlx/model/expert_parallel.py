@@ -83,8 +83,8 @@ class OwnedExperts:
         self.shape = (int(n_expert), inner.shape[1], inner.shape[2])
 
     @classmethod
-    def from_gguf(cls, expert_cls, gguf_file, name: str, owned: range, backend=None,
-                  use_kernels=None) -> "OwnedExperts":
+    def from_gguf(cls, expert_cls, gguf_file, name: str, owned: range, **options) -> "OwnedExperts":
+        """``expert_cls`` built over the owned slice (``options``: its constructor's, the loader's)."""
         info = gguf_file.tensor(name)
         if len(info.shape) != 3:
             raise LayoutError(f"tensor {name!r}: expected a 3-D expert tensor, got shape {info.shape}")
@@ -92,10 +92,7 @@ class OwnedExperts:
         if owned.stop > n_expert:
             raise LayoutError(f"tensor {name!r}: {n_expert} experts, this rank owns {owned.start}..{owned.stop - 1}")
         raw = gguf_file.tensor_array(name)[owned.start: owned.stop]  # a view: nothing else is touched
-        kw = {} if backend is None else {"backend": backend}
-        if use_kernels is not None:
-            kw["use_kernels"] = use_kernels
-        return cls(expert_cls(name, info.ggml_type, raw, info.shape[2], **kw), n_expert, owned)
+        return cls(expert_cls(name, info.ggml_type, raw, info.shape[2], **options), n_expert, owned)
 
     @property
     def resident_nbytes(self) -> int:

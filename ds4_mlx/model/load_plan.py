@@ -114,6 +114,12 @@ def _number(var: str, text: str, default: float, what: str, *, positive: bool = 
     return value
 
 
+def launcher_rank() -> str:
+    """The rank ``mlx.launch`` gave this process (``MLX_RANK``; "?" when none), for the messages a rank
+    writes before it has joined its group and can ask it."""
+    return _env("MLX_RANK") or "?"
+
+
 def kv_lock_timeout() -> float:
     """``DS4_MLX_KV_LOCK_TIMEOUT`` (seconds, default 5): how long a KV cache writer waits for another
     process's lock on the directory. A load records it in its plan; the ``ds4-mlx kv`` commands,

@@ -8,7 +8,6 @@ F16 mmap view gathered row by row.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 
 import mlx.core as mx
@@ -156,10 +155,7 @@ class _Weights:
             raise LayoutError(f"{self.f.path}: tensor {name!r} is missing")
         self.kinds[name] = "experts"
         if self.owned is not None:
-            # the group size rides on the class: ``OwnedExperts`` passes backend and kernels only
-            cls = functools.partial(self.expert_cls, group_bytes=self.ekw["group_bytes"])
-            return expert_parallel.OwnedExperts.from_gguf(cls, self.f, name, self.owned, self.plan.backend,
-                                                          self.ekw["use_kernels"])
+            return expert_parallel.OwnedExperts.from_gguf(self.expert_cls, self.f, name, self.owned, **self.ekw)
         if self.caches is not None:
             layer = self.caches.layer(int(name.split(".")[1]))
             return CachedDeviceExpertWeights.from_gguf(self.f, name, layer, **self.ekw)
