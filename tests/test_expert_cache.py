@@ -321,11 +321,21 @@ def test_server_reports_the_prefill_reads_of_its_one_sync(tiny_model_path):
     from ds4_mlx.frontends.server import EngineBackend
     from ds4_mlx.frontends.server.events import ChatRequest, Done
 
-    b = EngineBackend(str(tiny_model_path), ctx=256, experts="device", experts_cache="30")
-    b._load()
-    try:
-        req = ChatRequest([{"role": "user", "content": "Tell me about caches"}], max_tokens=2, temperature=0)
-        done = [e for e in b._generate(req, threading.Event()) if isinstance(e, Done)][-1]
-        assert done.finish in ("length", "stop") and done.expert_prefill_bytes_read > 0
-    finally:
-        b._release_mlx()
+    # the server's way: the backend loads, generates and releases MLX on one worker thread of its own
+    # (``_release_mlx`` ends that thread's MLX streams, which must not be the test's)
+    out = {}
+
+    def work():
+        b = EngineBackend(str(tiny_model_path), ctx=256, experts="device", experts_cache="30")
+        b._load()
+        try:
+            req = ChatRequest([{"role": "user", "content": "Tell me about caches"}], max_tokens=2, temperature=0)
+            out["done"] = [e for e in b._generate(req, threading.Event()) if isinstance(e, Done)][-1]
+        finally:
+            b._release_mlx()
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    done = out["done"]
+    assert done.finish in ("length", "stop") and done.expert_prefill_bytes_read > 0

@@ -8,7 +8,7 @@ multiplies a Q8_0 matrix the same way: the output head of the host strategy in D
 (``Model.head_logits``), which MLX's CPU backend would otherwise hold and read as float32. ``hc.c``
 balances a hyper-connection mixer's 4x4 combine matrix (its Sinkhorn iterations) for the compiled
 decode step, which reads the mixer's logits to the host instead of running ~100 tiny graph nodes
-(``HyperConnection.comb_on_host``). The MLX-ops paths stay as the reference twins and the fallback.
+(``host_step.HostMixer``). The MLX-ops paths stay as the reference twins and the fallback.
 
 Built on first use, not at import: the source is compiled with ``$CC`` (else ``cc``) into
 ``$XDG_CACHE_HOME/ds4-mlx/native/<hash>/`` (``~/.cache`` when unset), the hash covering the sources,
