@@ -227,8 +227,8 @@ class CompiledDecoder:
         ``evaluate=False`` leaves the new cache arrays lazy too: the caller evaluates them with what
         it reads (e.g. ``mx.depends(next_token, cache.arrays())``), one sync for the whole token. A
         model whose output matrix is multiplied on the host (``Model.host_head``) returns the logits
-        evaluated (its input read to the host is the step's one wait). ``Model.step`` is this method:
-        the layer loop is here, not one call further down, so a decoded token reaches a layer's
+        evaluated (its input read to the host is the step's one wait). ``Model.step`` calls this
+        method: the layer loop is here, not one call further down, so a decoded token reaches a layer's
         attention in as few calls as mlx-lm's (``benchmarks/bench_call_depth.py``)."""
         model = self.model
         if until not in self._tails:

@@ -130,13 +130,11 @@ class Model:
         """An empty cache of the layers this model runs (all of them; a pipeline rank: its own)."""
         return ModelCache.empty(self.config)
 
-    @property
-    def step(self):
-        """``step(token, cache, *, evaluate=True)``: feed one token through the compiled decode step
-        (DEFAULT numerics); updates ``cache`` in place and returns the next-token logits, lazily
-        (``evaluate=False``: the cache's new arrays too). It is the decoder's own ``run`` (see
-        ``CompiledDecoder.run``), handed out rather than wrapped: one call less on every token."""
-        return self.decoder().run
+    def step(self, token: int, cache: ModelCache, *, evaluate: bool = True) -> mx.array:
+        """Feed one token through the compiled decode step (DEFAULT numerics): the decoder's ``run``
+        (``CompiledDecoder.run``); updates ``cache`` in place and returns the next-token logits, lazily
+        (``evaluate=False``: the cache's new arrays too)."""
+        return self.decoder().run(token, cache, evaluate=evaluate)
 
     def forward_chunk(self, tokens: np.ndarray, cache: ModelCache, want_logits: bool | str = True, *,
                       logits_from=None) -> tuple[mx.array | None, ModelCache]:
