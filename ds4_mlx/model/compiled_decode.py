@@ -231,15 +231,7 @@ class CompiledDecoder:
         method: the layer loop is here, not one call further down, so a decoded token reaches a layer's
         attention in as few calls as mlx-lm's (``benchmarks/bench_call_depth.py``)."""
         model = self.model
-        if until not in self._tails:
-            raise InferenceError(f"CompiledDecoder.run: until must be 'logits', 'hidden' or 'H', got {until!r}")
-        if H is None:
-            if model.source is not None:
-                model.source.check_intact()  # weights are about to be read: a truncated file is an error, not SIGBUS
-            H = model.embed(np.array([token], dtype=np.int64))
-        p = cache.n_tokens
-        cache.reserve(p)
-        pos = mx.array(p, dtype=mx.int32)
+        H, p, pos = self._start(token, cache, H, until)
         token_arr = mx.array(np.array([token], dtype=np.int32))
         for il, block in enumerate(model.blocks):
             lc = cache.layers[block.il]
@@ -249,6 +241,20 @@ class CompiledDecoder:
             lc.set_arrays(arrays)
             del arrays
         return self._finish([H], cache, until, evaluate)
+
+    def _start(self, token: int, cache: ModelCache, H: mx.array | None, until: str) -> tuple[mx.array, int, mx.array]:
+        """A step's inputs: (H, the position, the position as an int32 scalar); ``until`` checked, the
+        cache's buffers reserved for the position."""
+        if until not in self._tails:
+            raise InferenceError(f"{type(self).__name__}.run: until must be 'logits', 'hidden' or 'H', got {until!r}")
+        model = self.model
+        if H is None:
+            if model.source is not None:
+                model.source.check_intact()  # weights are about to be read: a truncated file is an error, not SIGBUS
+            H = model.embed(np.array([token], dtype=np.int64))
+        p = cache.n_tokens
+        cache.reserve(p)
+        return H, p, mx.array(p, dtype=mx.int32)
 
     def step(self, token: int, cache: ModelCache, *, evaluate: bool = True) -> mx.array:
         """``run`` from ``token``'s embedding to the logits."""

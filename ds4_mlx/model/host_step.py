@@ -35,7 +35,6 @@ import mlx.core as mx
 import numpy as np
 
 from ds4_mlx import native
-from ds4_mlx.errors import InferenceError
 from ds4_mlx.model.cache import LayerCache, ModelCache, StepAt
 from ds4_mlx.model.compiled_decode import CompiledDecoder, Counter
 from ds4_mlx.model.host import to_host
@@ -164,15 +163,7 @@ class HostStepDecoder(CompiledDecoder):
             evaluate: bool = True) -> mx.array:
         """``CompiledDecoder.run`` with every layer cut at its router (the module docstring)."""
         model = self.model
-        if until not in self._tails:
-            raise InferenceError(f"HostStepDecoder.run: until must be 'logits', 'hidden' or 'H', got {until!r}")
-        if H is None:
-            if model.source is not None:
-                model.source.check_intact()  # weights are about to be read: a truncated file is an error, not SIGBUS
-            H = model.embed(np.array([token], dtype=np.int64))
-        p = cache.n_tokens
-        cache.reserve(p)
-        pos = mx.array(p, dtype=mx.int32)
+        H, p, pos = self._start(token, cache, H, until)
         tokens = np.array([token], dtype=np.int64)
         carry = [H]
         for il, block in enumerate(model.blocks):
