@@ -60,7 +60,7 @@ from ds4_mlx.errors import DistributedError, InferenceError
 from ds4_mlx.model import join_watchdog, load_plan
 from ds4_mlx.model.cache import LayerCache, ModelCache, capacity_for
 from ds4_mlx.model.host import to_host
-from ds4_mlx.model.transformer import Model  # noqa: F401  (the wrapped type, for the docs)
+from ds4_mlx.model.transformer import Model
 
 MODES = ("pipeline", "experts")
 # The command protocol's version, compared when the ranks join (``join``): ranks running different
@@ -305,7 +305,8 @@ class DistributedModel:
     # rank 0's blocks alone by mistake.
     DELEGATED = frozenset({"embedding", "embed", "blocks", "head", "head_hidden", "head_logits", "output",
                            "output_hc", "output_norm", "host_head", "numerics", "expert_strategy",
-                           "expert_cache", "decoder", "run_blocks", "check_taps", "tap_rows"})
+                           "expert_cache", "load_plan", "memory_plan", "decoder", "run_blocks", "check_taps",
+                           "tap_rows"})
 
     def __getattr__(self, name: str):
         # only reached for names this wrapper does not define
@@ -313,25 +314,6 @@ class DistributedModel:
         if model is None or name not in self.DELEGATED:
             raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
         return getattr(model, name)
-
-    # What the loader records after building (``load_plan``, ``memory_plan``, the bounded expert
-    # cache) belongs to the wrapped model, which reads it (``Model.expert_strategy``).
-
-    @property
-    def load_plan(self):
-        return self.model.load_plan
-
-    @load_plan.setter
-    def load_plan(self, value) -> None:
-        self.model.load_plan = value
-
-    @property
-    def memory_plan(self):
-        return self.model.memory_plan
-
-    @memory_plan.setter
-    def memory_plan(self, value) -> None:
-        self.model.memory_plan = value
 
     def empty_cache(self) -> ModelCache:
         return self.model.empty_cache()

@@ -459,8 +459,7 @@ def load(path: str | os.PathLike, numerics: str | Numerics = "default", backend:
                 model = _build(f, cfg, lp, group=group, split=split)
         else:
             model = _build(f, cfg, lp, caches=caches)
-        model.memory_plan = plan
-        model.load_plan = lp
+            model.memory_plan = plan  # a distributed rank's share is not planned
         f.check_intact()  # truncated while loading: a clean error naming it, before any use
         probe_compiler()  # MLX's compiler check ignores Ctrl-C while it runs: at load, not mid-answer
         return model
@@ -510,6 +509,7 @@ def _build(f: GGUFFile, cfg: ModelConfig, lp: LoadPlan, group=None, split: pipel
                  host_head=output is not None and host_head(lp, output.qtype))
     model = Model(cfg, ops, **parts)
     model.expert_cache = caches
+    model.load_plan = lp
     # A distributed mode wraps this rank's model (composition: its stage runs these same blocks).
     if group is None:
         return model
